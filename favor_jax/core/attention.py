@@ -1,0 +1,213 @@
+"""Exact softmax attention (the reference), normalised linear attention and FAVOR attention.
+
+Layout: query ``[..., Lq, H, D]``, key ``[..., Lk, H, D]``, value ``[..., Lk, H, Dv]``,
+output ``[..., Lq, H, Dv]`` in the inputs' dtype; float32 inside.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float
+
+from favor_jax.core import causal as causal_lib
+from favor_jax.core import checks
+from favor_jax.core import kernels as kernels_lib
+
+__all__ = ["softmax_attention", "linear_attention", "favor_attention"]
+
+
+def _validate(query, key, value, key_mask, causal, q_name="query", k_name="key"):
+  try:
+    checks.check_qk(query, key)
+  except (TypeError, ValueError) as e:
+    raise type(e)(str(e).replace("query", q_name).replace("key", k_name)) from None
+  checks.check_value(key, value)
+  checks.check_key_mask(key_mask, key.shape)
+  if causal:
+    checks.check_causal_lengths(query, key)
+
+
+def _flatten(x, batch):
+  return x.reshape((math.prod(batch),) + x.shape[len(batch):])
+
+
+def _mask_NL(key_mask, key):
+  batch, length = key.shape[:-3], key.shape[-3]
+  if key_mask is None:
+    return jnp.ones((math.prod(batch), length), bool)
+  return _flatten(jnp.broadcast_to(key_mask, batch + (length,)), batch)
+
+
+# Denominators are normalised so that an aligned term is ~1; below this nothing reliable is
+# left (and 1/den would overflow in the backward pass), so the row counts as empty.
+_TINY_DEN = 1e-30
+
+
+@jax.custom_jvp
+def _ratio(num, den):
+  return num / den
+
+
+@_ratio.defjvp
+def _ratio_jvp(primals, tangents):
+  # d(n/d) = (dn − (n/d)·dd)/d: never forms 1/d², which overflows for small d.
+  (num, den), (d_num, d_den) = primals, tangents
+  out = num / den
+  return out, (d_num - out * d_den) / den
+
+
+def _divide(num, den):
+  """num / den, with 0 where nothing was attended to (all keys masked, or a vanishing denominator)."""
+  den = den[..., None]
+  ok = jnp.abs(den) > _TINY_DEN
+  return jnp.where(ok, _ratio(num, jnp.where(ok, den, 1.0)), 0.0)
+
+
+def _out_dtype(*xs):
+  return jnp.result_type(*[x.dtype for x in xs])
+
+
+def softmax_attention(
+    query: Float[Array, "... Lq H D"],
+    key: Float[Array, "... Lk H D"],
+    value: Float[Array, "... Lk H Dv"],
+    *,
+    causal: bool = False,
+    key_mask: Bool[Array, "... Lk"] | None = None,
+) -> Float[Array, "... Lq H Dv"]:
+  """Exact attention, softmax(q kᵀ/√d) v (Vaswani et al. 2017); the reference FAVOR estimates.
+
+  A query that can see no key (all masked) returns 0.
+  """
+  _validate(query, key, value, key_mask, causal)
+  f32 = jnp.float32
+  logits = jnp.einsum("...qhd,...khd->...hqk", query.astype(f32), key.astype(f32))
+  logits = logits / math.sqrt(query.shape[-1])
+  allowed = jnp.ones(logits.shape[-2:], bool)
+  if causal:
+    allowed = jnp.tril(allowed)
+  if key_mask is not None:
+    allowed = allowed & key_mask[..., None, None, :]
+  logits = jnp.where(allowed, logits, -jnp.inf)
+  peak = jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
+  weights = jnp.exp(logits - jnp.where(jnp.isfinite(peak), peak, 0.0))
+  num = jnp.einsum("...hqk,...khd->...qhd", weights, value.astype(f32))
+  den = jnp.moveaxis(jnp.sum(weights, axis=-1), -2, -1)
+  return _divide(num, den).astype(_out_dtype(query, key, value))
+
+
+def _run(feature_fn, query, key, value, key_mask, causal, causal_method, chunk_size):
+  batch = query.shape[:-3]
+  q, k, v = (_flatten(x, batch) for x in (query, key, value))
+  v = v.astype(jnp.float32)
+  mask = _mask_NL(key_mask, key)
+  if not causal:
+    num, den = causal_lib.bidirectional(feature_fn, q, k, v, mask)
+  else:
+    if causal_method not in causal_lib.CAUSAL_METHODS:
+      raise ValueError(
+          f"unknown causal_method {causal_method!r}; choose one of {sorted(causal_lib.CAUSAL_METHODS)}")
+    algo = causal_lib.CAUSAL_METHODS[causal_method]
+    if causal_method == "chunked":
+      if not isinstance(chunk_size, int) or chunk_size <= 0:
+        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+      num, den = algo(feature_fn, q, k, v, mask, chunk_size=chunk_size)
+    else:
+      num, den = algo(feature_fn, q, k, v, mask)
+  out = _divide(num, den)
+  return out.reshape(batch + out.shape[1:]).astype(_out_dtype(query, key, value))
+
+
+def linear_attention(
+    query_features: Float[Array, "... Lq H F"],
+    key_features: Float[Array, "... Lk H F"],
+    value: Float[Array, "... Lk H Dv"],
+    *,
+    causal: bool = False,
+    key_mask: Bool[Array, "... Lk"] | None = None,
+    causal_method: str = "chunked",
+    chunk_size: int = 64,
+) -> Float[Array, "... Lq H Dv"]:
+  """Normalised linear attention given features (Katharopoulos et al. 2020):
+
+      out_t = Σ_j (φ_tᵀ ψ_j) v_j / Σ_j φ_tᵀ ψ_j,  over j ≤ t if ``causal``, unmasked j only.
+
+  Equals ``(A v) / (A 1)`` with ``A = φ ψᵀ`` (lower-triangular if causal) without
+  forming A. Rows with a zero denominator return 0. Features are used as given.
+  """
+  _validate(query_features, key_features, value, key_mask, causal, "query_features", "key_features")
+
+  def feature_fn(qf, kf):
+    as_is = lambda x: kernels_lib.LogFeatures(None, x.astype(jnp.float32))
+    return as_is(qf), as_is(kf)
+
+  return _run(feature_fn, query_features, key_features, value, key_mask, causal,
+              causal_method, chunk_size)
+
+
+def favor_attention(
+    query: Float[Array, "... Lq H D"],
+    key: Float[Array, "... Lk H D"],
+    value: Float[Array, "... Lk H Dv"],
+    projection: Float[Array, "M D"] | None,
+    *,
+    kernel="positive",
+    causal: bool = False,
+    key_mask: Bool[Array, "... Lk"] | None = None,
+    rho: Float[Array, "... H"] | None = None,
+    causal_method: str = "chunked",
+    chunk_size: int = 64,
+) -> Float[Array, "... Lq H Dv"]:
+  """FAVOR attention (Choromanski et al. 2021, "Rethinking Attention with Performers"):
+
+      out = D⁻¹ (φ(Q) (φ(K)ᵀ V)),  D = diag(φ(Q) (φ(K)ᵀ 1)),
+
+  with φ the random feature map ``kernel`` (a name from ``kernels.KERNELS`` or a
+  callable ``kernel(q, k, projection, *, stabilize) -> (φq, φk)``). For softmax
+  kernels this is an unbiased-kernel estimate of ``softmax_attention``.
+
+  Keys are stabilised in log domain by a running maximum over past keys only,
+  so causal outputs never depend, even numerically, on later tokens.
+  ``causal_method``: ``"chunked"`` (default; exact causal chunks of
+  ``chunk_size`` with carried state), ``"scan"`` (the paper's per-token
+  recurrence) or ``"cumsum"`` (materialised prefix states). ``rho`` is the
+  FAVOR++ statistic, required for ``optimal_positive`` when ``causal``.
+  """
+  _validate(query, key, value, key_mask, causal)
+  kern = kernels_lib.get_kernel(kernel)
+  if projection is not None:
+    checks.check_projection(projection, query.shape[-1])
+  elif getattr(kern, "__name__", "") != "elu_plus_one":
+    raise ValueError(f"kernel {getattr(kern, '__name__', kern)!r} needs a projection [M, {query.shape[-1]}]")
+  data_dependent = getattr(kern, "data_dependent", False)
+  if rho is not None and not data_dependent:
+    raise ValueError(f"rho is the FAVOR++ statistic; kernel {getattr(kern, '__name__', kern)!r} takes none")
+
+  rho_NH = None
+  if data_dependent:
+    batch_heads = query.shape[:-3] + query.shape[-2:-1]
+    if rho is None:
+      if causal:  # the kernel raises its own explanation
+        kern.log_features(query, key, projection, causal=True)
+      rho = kernels_lib.oprf_rho(query, key, key_mask)
+    rho = jnp.asarray(rho, jnp.float32)
+    try:
+      rho = jnp.broadcast_to(rho, batch_heads)
+    except ValueError:
+      raise ValueError(f"rho must broadcast to [..., H] = {batch_heads}, got shape {rho.shape}") from None
+    rho_NH = rho.reshape((-1,) + batch_heads[-1:])
+
+  if hasattr(kern, "log_features"):
+    kwargs = {} if rho_NH is None else {"rho": rho_NH}
+    feature_fn = lambda q, k: kern.log_features(q, k, projection, **kwargs)
+  else:
+    def feature_fn(q, k):
+      # stabilize=True would scale keys by a max over all positions, future ones included.
+      qf, kf = kern(q, k, projection, stabilize=not causal)
+      return (kernels_lib.LogFeatures(None, qf.astype(jnp.float32)),
+              kernels_lib.LogFeatures(None, kf.astype(jnp.float32)))
+
+  return _run(feature_fn, query, key, value, key_mask, causal, causal_method, chunk_size)

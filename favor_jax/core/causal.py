@@ -1,0 +1,221 @@
+"""Linear-attention algorithms on log-domain features, with stabilisers that never look ahead.
+
+Each algorithm receives ``feature_fn(q_NlHD, k_NlHD) -> (fq, fk)``, two
+:class:`~favor_jax.core.kernels.LogFeatures` (φ = mult · exp(log)), and returns
+the numerator Σ_j φ(q_t)ᵀφ(k_j) v_j and denominator Σ_j φ(q_t)ᵀφ(k_j), both
+multiplied by the same per-query factor exp(−s_t) (it cancels in the ratio).
+
+Stabilisers (all offsets are constants under ``grad``; they cancel exactly):
+- keys are scaled per feature by a maximum over the keys a query may see:
+  all unmasked keys (bidirectional), or only past keys (causal), with the
+  carried state rescaled when the maximum grows, as online softmax does;
+- each query row picks s_t = max_f (log φ(q_t)_f + key scale_f), so the largest
+  term of its denominator is ≥ 1 for positive features.
+Causal chunks use per-row scales inside a chunk (exactly causal, no [C, C, F]
+work) and the per-feature scales for the state carried across chunks.
+
+Shapes: N flattened batch, L length, H heads, F features, E = Dv + 1 (value
+with a column of ones, which carries the denominator).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+NEG_INF = -jnp.inf
+
+
+def _finite_or_zero(m):
+  return jnp.where(jnp.isfinite(m), m, 0.0)
+
+
+def _rescaled_sum(a, b):
+  """Monoid on (log-scale m, state S): (m₁, S₁) ⊕ (m₂, S₂) = (m, S₁e^{m₁−m} + S₂e^{m₂−m}), m = max."""
+  m1, s1 = a
+  m2, s2 = b
+  m = jnp.maximum(m1, m2)
+  safe = _finite_or_zero(m)
+  return m, s1 * jnp.exp(m1 - safe)[..., None] + s2 * jnp.exp(m2 - safe)[..., None]
+
+
+def _parts(f, mask=None):
+  """(log, mult) with |mult| ≤ 1 and log broadcastable ([..., F] or [..., 1]); masked rows get log −∞.
+
+  Features given without a log part are split into a per-row scale and the
+  row divided by it, so every algorithm sees the same normalised form.
+  """
+  log, mult = f.log, f.mult
+  if log is None:
+    peak = jax.lax.stop_gradient(jnp.max(jnp.abs(mult), axis=-1, keepdims=True))
+    log = jnp.log(jnp.where(peak > 0, peak, 1.0))
+    mult = mult / jnp.where(peak > 0, peak, 1.0)
+  if mask is not None:
+    log = jnp.where(mask[..., None, None], log, NEG_INF)
+  return log, mult
+
+
+def _exp_times(log, offset, mult):
+  out = jnp.exp(log - jax.lax.stop_gradient(offset))
+  return out if mult is None else out * mult
+
+
+def _with_ones(v):
+  return jnp.concatenate([v, jnp.ones(v.shape[:-1] + (1,), v.dtype)], axis=-1)
+
+
+def bidirectional(feature_fn, q, k, v, mask):
+  """Σ over all unmasked keys; per-feature key scale m_f = max_j log φ(k_j)_f."""
+  fq, fk = feature_fn(q, k)
+  log_q, mult_q = _parts(fq)
+  log_k, mult_k = _parts(fk, mask)
+  m_N1HF = _finite_or_zero(jax.lax.stop_gradient(jnp.max(log_k, axis=1, keepdims=True)))
+  k_hat = _exp_times(log_k, m_N1HF, mult_k)
+  shifted = log_q + m_N1HF
+  q_hat = _exp_times(shifted, jnp.max(shifted, axis=-1, keepdims=True), mult_q)
+  kv_NHFD = jnp.einsum("nlhf,nlhd->nhfd", k_hat, v)
+  ksum_NHF = jnp.sum(k_hat, axis=1)
+  num_NLHD = jnp.einsum("nlhf,nhfd->nlhd", q_hat, kv_NHFD)
+  den_NLH = jnp.einsum("nlhf,nhf->nlh", q_hat, ksum_NHF)
+  return num_NLHD, den_NLH
+
+
+def _chunked_block(feature_fn, chunk, carry, q, k, v, mask):
+  """Causal pass over one block (a multiple of ``chunk``), given the state of all earlier keys.
+
+  carry = (μ [N, H, Fm], S [N, H, F, E]) with S_f = Σ_{j earlier} e^{log φ(k_j)_f − μ_f}[v_j, 1].
+  Inside a chunk: the masked quadratic form with row scales b_j and the causal
+  running max B_t = max_{j≤t} b_j. Across chunks: prefix states from an
+  associative scan of the rescaled-sum monoid.
+  """
+  fq, fk = feature_fn(q, k)
+  log_q, mult_q = _parts(fq)
+  log_k, mult_k = _parts(fk, mask)
+  v1 = _with_ones(v)
+  n, length, h = q.shape[:3]
+  nc = length // chunk
+  split = lambda x: None if x is None else x.reshape((n, nc, chunk) + x.shape[2:])
+  log_q, mult_q, log_k, mult_k, v1 = map(split, (log_q, mult_q, log_k, mult_k, v1))
+
+  # State carried across chunks, scaled per feature.
+  lam_NcHF = jax.lax.stop_gradient(jnp.max(log_k, axis=2))
+  local = _exp_times(log_k, _finite_or_zero(lam_NcHF)[:, :, None], mult_k)
+  local_NcHFE = jnp.einsum("ncjhf,ncjhe->nchfe", local, v1)
+  mu_in, s_in = carry
+  ms = jnp.concatenate([mu_in[:, None], lam_NcHF], axis=1)
+  ss = jnp.concatenate([s_in[:, None], local_NcHFE], axis=1)
+  ms, ss = jax.lax.associative_scan(_rescaled_sum, (ms, ss), axis=1)
+  mu_NcHF, s_NcHFE = _finite_or_zero(ms[:, :nc]), ss[:, :nc]  # all keys before chunk c
+
+  # Per-row scales inside the chunk; B_t looks only at keys j ≤ t.
+  a_NcCH = jax.lax.stop_gradient(jnp.max(log_q, axis=-1))
+  b_NcCH = jax.lax.stop_gradient(jnp.max(log_k, axis=-1))
+  big_b = jax.lax.cummax(b_NcCH, axis=2)
+  inter_log = log_q + mu_NcHF[:, :, None]
+  s_NcCH = jnp.maximum(jnp.max(jax.lax.stop_gradient(inter_log), axis=-1), a_NcCH + big_b)
+  s_NcCH = _finite_or_zero(s_NcCH)
+
+  q_inter = _exp_times(inter_log, s_NcCH[..., None], mult_q)
+  inter_NcCHE = jnp.einsum("ncthf,nchfe->ncthe", q_inter, s_NcHFE)
+
+  q_row = _exp_times(log_q, a_NcCH[..., None], mult_q)
+  k_row = _exp_times(log_k, _finite_or_zero(b_NcCH)[..., None], mult_k)
+  tri_CC = jnp.tril(jnp.ones((chunk, chunk), bool))
+  b_j = jnp.moveaxis(b_NcCH, 2, -1)[:, :, :, None, :]  # [N, c, H, 1, C]
+  off_t = jnp.moveaxis(s_NcCH - a_NcCH, 2, -1)[..., None]  # [N, c, H, C, 1]
+  scale = jnp.exp(jnp.where(tri_CC & jnp.isfinite(b_j), b_j - _finite_or_zero(off_t), NEG_INF))
+  w_NcHCC = jnp.einsum("ncthf,ncjhf->nchtj", q_row, k_row) * scale
+  intra_NcCHE = jnp.einsum("nchtj,ncjhe->ncthe", w_NcHCC, v1)
+
+  y = (inter_NcCHE + intra_NcCHE).reshape((n, length, h, v1.shape[-1]))
+  return (ms[:, nc], ss[:, nc]), y
+
+
+def _pad_to(x, length, value=0):
+  pad = length - x.shape[1]
+  if pad == 0:
+    return x
+  widths = [(0, 0)] * x.ndim
+  widths[1] = (0, pad)
+  return jnp.pad(x, widths, constant_values=value)
+
+
+def _initial_state(feature_fn, q, k, v):
+  """(μ, S) for 'no keys yet'; F and the width of μ are read off the feature map's shapes."""
+  fk = jax.eval_shape(feature_fn, q[:, :1], k[:, :1])[1]
+  f = fk.mult.shape[-1] if fk.mult is not None else fk.log.shape[-1]
+  fm = 1 if fk.log is None else fk.log.shape[-1]
+  n, _, h = q.shape[:3]
+  return (jnp.full((n, h, fm), NEG_INF, jnp.float32),
+          jnp.zeros((n, h, f, v.shape[-1] + 1), jnp.float32))
+
+
+def chunked(feature_fn, q, k, v, mask, *, chunk_size: int = 64, block_chunks: int = 32):
+  """Chunked causal linear attention: O(L·C·(F+Dv)) inside chunks, O(L·F·Dv) across them.
+
+  Blocks of ``block_chunks`` chunks run under ``lax.scan`` with a
+  rematerialised body, so fwd+bwd keeps the inputs and one [F, Dv+1] state per
+  block, not the O(L·F) features and [C, C] weights.
+  """
+  n, length = q.shape[:2]
+  chunk = min(chunk_size, length)
+  block = chunk * block_chunks
+  carry = _initial_state(feature_fn, q, k, v)
+  body = lambda c, x: _chunked_block(feature_fn, chunk, c, *x)
+  if length <= block:
+    padded = -(-length // chunk) * chunk
+    xs = [_pad_to(x, padded) for x in (q, k, v)] + [_pad_to(mask, padded, False)]
+    _, y = body(carry, xs)
+  else:
+    padded = -(-length // block) * block
+    nb = padded // block
+    to_blocks = lambda x: jnp.moveaxis(x.reshape((n, nb, block) + x.shape[2:]), 1, 0)
+    xs = [to_blocks(_pad_to(x, padded)) for x in (q, k, v)] + [to_blocks(_pad_to(mask, padded, False))]
+    _, y = jax.lax.scan(jax.checkpoint(body), carry, xs)
+    y = jnp.moveaxis(y, 0, 1).reshape((n, padded) + y.shape[3:])
+  y = y[:, :length]
+  return y[..., :-1], y[..., -1]
+
+
+def _prefix_readout(log_q, mult_q, mu, s):
+  """Query t against a state (μ, S) that already includes key t."""
+  shifted = log_q + _finite_or_zero(mu)
+  q_hat = _exp_times(shifted, _finite_or_zero(jnp.max(shifted, axis=-1, keepdims=True)), mult_q)
+  return jnp.einsum("...f,...fe->...e", q_hat, s)
+
+
+def scan(feature_fn, q, k, v, mask):
+  """The Performer paper's per-token recurrence (one ``lax.scan`` step per position), for comparison."""
+  fq, fk = feature_fn(q, k)
+  log_q, mult_q = _parts(fq)
+  log_k, mult_k = _parts(fk, mask)
+  v1 = _with_ones(v)
+
+  def step(carry, x):
+    lq, mq, lk, mk, v_t = x  # [N, H, ...]
+    mu, s = carry
+    new_mu = jnp.maximum(mu, jax.lax.stop_gradient(lk))
+    safe = _finite_or_zero(new_mu)
+    s = s * jnp.exp(mu - safe)[..., None] + jnp.einsum("nhf,nhe->nhfe", _exp_times(lk, safe, mk), v_t)
+    return (new_mu, s), _prefix_readout(lq, mq, new_mu, s)
+
+  carry = _initial_state(feature_fn, q, k, v)
+  t_major = lambda x: None if x is None else jnp.moveaxis(x, 1, 0)
+  _, y = jax.lax.scan(step, carry, [t_major(x) for x in (log_q, mult_q, log_k, mult_k, v1)])
+  y = jnp.moveaxis(y, 0, 1)
+  return y[..., :-1], y[..., -1]
+
+
+def cumsum(feature_fn, q, k, v, mask):
+  """Materialised prefix states S_t = Σ_{j≤t} φ(k_j)[v_j, 1]ᵀ: O(L·F·Dv) memory, for comparison."""
+  fq, fk = feature_fn(q, k)
+  log_q, mult_q = _parts(fq)
+  log_k, mult_k = _parts(fk, mask)
+  m = jax.lax.stop_gradient(log_k)
+  outer = jnp.einsum("nlhf,nlhe->nlhfe", _exp_times(log_k, _finite_or_zero(m), mult_k), _with_ones(v))
+  mu, s = jax.lax.associative_scan(_rescaled_sum, (m, outer), axis=1)
+  y = _prefix_readout(log_q, mult_q, mu, s)
+  return y[..., :-1], y[..., -1]
+
+
+CAUSAL_METHODS = {"chunked": chunked, "scan": scan, "cumsum": cumsum}

@@ -1,0 +1,78 @@
+"""Input validation shared by kernels and attention: errors at trace time, from static shapes."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+
+def check_float(name: str, x) -> None:
+  dtype = jnp.asarray(x).dtype if not hasattr(x, "dtype") else x.dtype
+  if not jnp.issubdtype(dtype, jnp.floating):
+    raise TypeError(f"{name} must be a floating-point array, got dtype {dtype}")
+
+
+def check_qk(query, key) -> None:
+  """query `[..., Lq, H, D]`, key `[..., Lk, H, D]` with the same batch dims, heads and D."""
+  check_float("query", query)
+  check_float("key", key)
+  if query.ndim < 3:
+    raise ValueError(f"query must have rank >= 3 ([..., L, H, D]), got shape {query.shape}")
+  if key.ndim != query.ndim:
+    raise ValueError(
+        f"key must have the rank of query ({query.ndim}), got key shape {key.shape} "
+        f"and query shape {query.shape}")
+  if key.shape[-1] != query.shape[-1]:
+    raise ValueError(
+        f"key head_dim {key.shape[-1]} != query head_dim {query.shape[-1]} "
+        f"(key shape {key.shape}, query shape {query.shape})")
+  if key.shape[-2] != query.shape[-2]:
+    raise ValueError(
+        f"key has {key.shape[-2]} heads but query has {query.shape[-2]} "
+        f"(key shape {key.shape}, query shape {query.shape})")
+  if key.shape[:-3] != query.shape[:-3]:
+    raise ValueError(
+        f"key batch dims {key.shape[:-3]} != query batch dims {query.shape[:-3]} "
+        f"(key shape {key.shape}, query shape {query.shape})")
+
+
+def check_projection(projection, head_dim: int) -> None:
+  check_float("projection", projection)
+  if projection.ndim != 2 or projection.shape[-1] != head_dim:
+    raise ValueError(
+        f"projection must have shape [num_features, {head_dim}] (head_dim of query), "
+        f"got {projection.shape}")
+  if projection.shape[0] <= 0:
+    raise ValueError(f"projection needs num_features > 0, got shape {projection.shape}")
+
+
+def check_value(key, value) -> None:
+  check_float("value", value)
+  if value.ndim != key.ndim or value.shape[:-1] != key.shape[:-1]:
+    raise ValueError(
+        f"value must have shape {key.shape[:-1] + ('Dv',)} ([..., Lk, H, Dv] matching key), "
+        f"got {value.shape}")
+
+
+def check_key_mask(key_mask, key_shape) -> None:
+  """key_mask: boolean `[..., Lk]`, broadcastable to key's batch dims."""
+  if key_mask is None:
+    return
+  need = tuple(key_shape[:-3]) + (key_shape[-3],)
+  mask_dtype = getattr(key_mask, "dtype", None)
+  if mask_dtype is None or mask_dtype != jnp.bool_:
+    raise TypeError(f"key_mask must be a boolean array of shape {need}, got dtype {mask_dtype}")
+  ok = key_mask.ndim >= 1 and key_mask.ndim <= len(need) and key_mask.shape[-1] == need[-1]
+  if ok:
+    try:
+      jnp.broadcast_shapes(key_mask.shape, need)
+    except ValueError:
+      ok = False
+  if not ok or jnp.broadcast_shapes(key_mask.shape, need) != need:
+    raise ValueError(f"key_mask must have shape {need} (batch dims..., Lk), got {key_mask.shape}")
+
+
+def check_causal_lengths(query, key) -> None:
+  if query.shape[-3] != key.shape[-3]:
+    raise ValueError(
+        f"causal attention needs equal query and key lengths, got Lq={query.shape[-3]} "
+        f"(query shape {query.shape}) and Lk={key.shape[-3]} (key shape {key.shape})")

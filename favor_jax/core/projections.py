@@ -1,0 +1,99 @@
+"""Random projections ω ∈ R^{M×D} for random-feature attention.
+
+Every projection here has rows whose *marginal* law is N(0, I_D) (except
+``orthogonal_projection(norms="fixed")``), which is what makes the exponential
+feature maps in :mod:`favor_jax.core.kernels` unbiased. Rows inside a block of
+D are coupled (orthogonal or simplex directions) to reduce variance.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, PRNGKeyArray
+
+__all__ = ["iid_gaussian_projection", "orthogonal_projection", "simplex_projection"]
+
+
+def _check_sizes(num_features, dim):
+  for name, value in (("num_features", num_features), ("dim", dim)):
+    if isinstance(value, bool) or not isinstance(value, int):
+      raise TypeError(f"{name} must be a Python int, got {type(value).__name__}")
+    if value <= 0:
+      raise ValueError(f"{name} must be positive, got {value}")
+
+
+def _haar_orthogonal(key: PRNGKeyArray, num_blocks: int, dim: int) -> Float[Array, "n D D"]:
+  """Haar-distributed orthogonal matrices (Mezzadri 2007).
+
+  QR of a Gaussian matrix is Haar only after fixing the signs so that
+  diag(R) > 0; LAPACK's raw Q is not (its first column always has a negative
+  first entry, for instance).
+  """
+  g_nDD = jax.random.normal(key, (num_blocks, dim, dim), jnp.float32)
+  q_nDD, r_nDD = jnp.linalg.qr(g_nDD)
+  sign_nD = jnp.sign(jnp.diagonal(r_nDD, axis1=-2, axis2=-1))
+  sign_nD = jnp.where(sign_nD == 0, 1.0, sign_nD)
+  return q_nDD * sign_nD[:, None, :]
+
+
+def _chi_norms(key: PRNGKeyArray, num_features: int, dim: int) -> Float[Array, "M"]:
+  """Norms of independent N(0, I_dim) vectors: χ_dim-distributed."""
+  return jnp.linalg.norm(jax.random.normal(key, (num_features, dim), jnp.float32), axis=-1)
+
+
+def iid_gaussian_projection(
+    key: PRNGKeyArray, num_features: int, dim: int, dtype=jnp.float32
+) -> Float[Array, "M D"]:
+  """Rows ω_i ~ N(0, I_D), independent (Choromanski et al. 2021, Performer)."""
+  _check_sizes(num_features, dim)
+  return jax.random.normal(key, (num_features, dim), jnp.float32).astype(dtype)
+
+
+def orthogonal_projection(
+    key: PRNGKeyArray, num_features: int, dim: int, *, norms: str = "chi", dtype=jnp.float32
+) -> Float[Array, "M D"]:
+  """Orthogonal random features (Yu et al. 2016; Performer's "OR" in FAVOR+).
+
+  Rows come in blocks of D exactly orthogonal, Haar-uniform directions
+  (independent blocks; the last one truncated). ``norms="chi"`` scales each
+  row by an independent χ_D norm, so every row is marginally N(0, I_D) and the
+  exponential kernels stay unbiased. ``norms="fixed"`` sets every norm to √D:
+  lower variance in practice, but *biased* for the exponential kernels.
+  """
+  _check_sizes(num_features, dim)
+  if norms not in ("chi", "fixed"):
+    raise ValueError(f"norms must be 'chi' or 'fixed', got {norms!r}")
+  key_dir, key_norm = jax.random.split(key)
+  num_blocks = -(-num_features // dim)
+  dirs_MD = _haar_orthogonal(key_dir, num_blocks, dim).reshape(num_blocks * dim, dim)[:num_features]
+  if norms == "chi":
+    norms_M = _chi_norms(key_norm, num_features, dim)
+  else:
+    norms_M = jnp.full((num_features,), jnp.sqrt(float(dim)), jnp.float32)
+  return (dirs_MD * norms_M[:, None]).astype(dtype)
+
+
+def simplex_projection(
+    key: PRNGKeyArray, num_features: int, dim: int, dtype=jnp.float32
+) -> Float[Array, "M D"]:
+  """Simplex random features (Reid et al. 2023, "Simplex Random Features").
+
+  In each block of D rows the unit directions are the D vertices of a regular
+  simplex centred at the origin (pairwise cosine −1/(D−1)), turned by an
+  independent Haar rotation, then scaled by independent χ_D norms. Each row is
+  marginally N(0, I_D), so the exponential kernels stay unbiased.
+  """
+  _check_sizes(num_features, dim)
+  if dim < 2:
+    raise ValueError(f"simplex_projection needs dim >= 2, got dim={dim}")
+  key_rot, key_norm = jax.random.split(key)
+  num_blocks = -(-num_features // dim)
+  # Centred basis vectors e_i − 1/D, normalised: pairwise cosine −1/(D−1).
+  simplex_DD = jnp.eye(dim, dtype=jnp.float32) - 1.0 / dim
+  simplex_DD = simplex_DD / jnp.linalg.norm(simplex_DD, axis=-1, keepdims=True)
+  rot_nDD = _haar_orthogonal(key_rot, num_blocks, dim)
+  dirs_nDD = jnp.einsum("ij,nkj->nik", simplex_DD, rot_nDD)  # rows R s_i
+  dirs_MD = dirs_nDD.reshape(num_blocks * dim, dim)[:num_features]
+  norms_M = _chi_norms(key_norm, num_features, dim)
+  return (dirs_MD * norms_M[:, None]).astype(dtype)

@@ -1,0 +1,333 @@
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from favor_jax import core
+from favor_jax.core import kernels
+
+B, L, H, D = 2, 37, 2, 8
+ALL_KERNELS = sorted(kernels.KERNELS)
+METHODS = ["chunked", "scan", "cumsum"]
+
+
+def _qkv(seed=0, length=L, scale=0.5, batch=(B,)):
+  ks = jax.random.split(jax.random.PRNGKey(seed), 3)
+  q = jax.random.normal(ks[0], batch + (length, H, D)) * scale
+  k = jax.random.normal(ks[1], batch + (length, H, D)) * scale
+  v = jax.random.normal(ks[2], batch + (length, H, D))
+  return q, k, v
+
+
+def _proj(m=16, seed=5):
+  return core.orthogonal_projection(jax.random.PRNGKey(seed), m, D)
+
+
+def _explicit(qf, kf, v, causal=False, key_mask=None):
+  """(A v) / (A 1) with A = φ_q φ_kᵀ formed explicitly, in float64."""
+  a = np.einsum("blhf,bshf->bhls", np.float64(qf), np.float64(kf))
+  if causal:
+    a = a * np.tril(np.ones(a.shape[-2:]))
+  if key_mask is not None:
+    a = a * np.asarray(key_mask)[:, None, None, :]
+  num = np.einsum("bhls,bshd->blhd", a, np.float64(v))
+  den = np.moveaxis(a.sum(-1), 1, 2)[..., None]
+  return num / den
+
+
+def _extra(name, causal):
+  # FAVOR++ in causal mode must be given its statistic.
+  return {"rho": jnp.full((H,), 0.3)} if (name == "optimal_positive" and causal) else {}
+
+
+# --- exactness given features -------------------------------------------------------------
+
+@pytest.mark.parametrize("causal,method", [(False, "chunked")] + [(True, m) for m in METHODS])
+def test_linear_attention_equals_explicit_quadratic_form(causal, method, maybe_jit):
+  q, k, v = _qkv()
+  qf, kf = kernels.positive(q, k, _proj(), stabilize=False)
+  mask = jax.random.bernoulli(jax.random.PRNGKey(9), 0.8, (B, L))
+  fn = maybe_jit(core.linear_attention, causal=causal, causal_method=method, chunk_size=8)
+  np.testing.assert_allclose(fn(qf, kf, v), _explicit(qf, kf, v, causal), rtol=2e-5, atol=2e-5)
+  out = maybe_jit(lambda a, b, c, m: core.linear_attention(
+      a, b, c, causal=causal, key_mask=m, causal_method=method, chunk_size=8))(qf, kf, v, mask)
+  np.testing.assert_allclose(out, _explicit(qf, kf, v, causal, mask), rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("name", ALL_KERNELS)
+@pytest.mark.parametrize("causal", [False, True])
+def test_favor_equals_linear_attention_on_raw_features(name, causal, maybe_jit):
+  # Stabilisation is exact: favor_attention == explicit form on the unstabilised features.
+  q, k, v = _qkv()
+  proj = _proj()
+  extra = _extra(name, causal)
+  raw_q, raw_k = kernels.KERNELS[name](q, k, proj, stabilize=False,
+                                       **({"rho": extra["rho"]} if extra else {}))
+  fn = maybe_jit(core.favor_attention, kernel=name, causal=causal, chunk_size=8, **extra)
+  np.testing.assert_allclose(fn(q, k, v, proj), _explicit(raw_q, raw_k, v, causal),
+                             rtol=1e-4, atol=1e-4)
+
+
+def test_chunked_with_several_scan_blocks_matches_cumsum():
+  # L > chunk_size * 32 exercises the rematerialised lax.scan over blocks, with padding.
+  q, k, v = _qkv(length=301, batch=(1,))
+  mask = jax.random.bernoulli(jax.random.PRNGKey(2), 0.9, (1, 301))
+  outs = [core.favor_attention(q, k, v, _proj(), causal=True, key_mask=mask, causal_method=m,
+                               chunk_size=4) for m in ("chunked", "cumsum")]
+  np.testing.assert_allclose(outs[0], outs[1], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_causal_gradients_match_across_methods(method):
+  q, k, v = _qkv(length=21)
+  proj = _proj()
+
+  def loss(method, q, k, v):
+    out = core.favor_attention(q, k, v, proj, causal=True, causal_method=method, chunk_size=4)
+    return jnp.sum(out * jnp.cos(jnp.arange(out.size).reshape(out.shape)))
+
+  def ref_loss(q, k, v):
+    qf, kf = kernels.positive(q, k, proj, stabilize=False)
+    a = jnp.einsum("blhf,bshf->bhls", qf, kf) * jnp.tril(jnp.ones((21, 21)))
+    out = jnp.einsum("bhls,bshd->blhd", a, v) / jnp.moveaxis(a.sum(-1), 1, 2)[..., None]
+    return jnp.sum(out * jnp.cos(jnp.arange(out.size).reshape(out.shape)))
+
+  got = jax.grad(functools.partial(loss, method), argnums=(0, 1, 2))(q, k, v)
+  want = jax.grad(ref_loss, argnums=(0, 1, 2))(q, k, v)
+  for g, w in zip(got, want):
+    np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5)
+
+
+# --- causality ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", ALL_KERNELS)
+@pytest.mark.parametrize("method", METHODS)
+def test_future_tokens_do_not_change_the_past(name, method):
+  q, k, v = _qkv()
+  t = 20  # inside a chunk of 8, so the chunk holds both past and future keys
+  proj = _proj()
+  fn = jax.jit(functools.partial(core.favor_attention, kernel=name, causal=True,
+                                 causal_method=method, chunk_size=8, **_extra(name, True)))
+  base = fn(q, k, v, proj)
+  k2 = k.at[:, t + 1].multiply(100.0).at[:, t + 5:].set(jax.random.normal(jax.random.PRNGKey(3), k[:, t + 5:].shape))
+  v2 = v.at[:, t + 1:].add(7.0)
+  moved = fn(q, k2, v2, proj)
+  assert np.all(np.isfinite(moved))
+  np.testing.assert_allclose(moved[:, : t + 1], base[:, : t + 1], rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["positive", "trigonometric", "optimal_positive"])
+def test_gradient_of_past_wrt_future_is_exactly_zero(name):
+  q, k, v = _qkv()
+  t = 12
+  proj = _proj()
+  extra = _extra(name, True)
+
+  def past(q, k, v):
+    out = core.favor_attention(q, k, v, proj, kernel=name, causal=True, chunk_size=8, **extra)
+    return jnp.sum(out[:, : t + 1] ** 2)
+
+  grads = jax.grad(past, argnums=(0, 1, 2))(q, k, v)
+  for g in grads:
+    assert np.all(np.asarray(g[:, t + 1:]) == 0.0)
+    assert np.any(np.asarray(g[:, : t + 1]) != 0.0)
+
+
+def test_causal_output_matches_bidirectional_on_prefixes():
+  q, k, v = _qkv(length=12)
+  proj = _proj()
+  full = core.favor_attention(q, k, v, proj, causal=True, chunk_size=4)
+  for t in (0, 5, 11):
+    bi = core.favor_attention(q[:, t:t + 1], k[:, : t + 1], v[:, : t + 1], proj)
+    np.testing.assert_allclose(full[:, t:t + 1], bi, rtol=1e-5, atol=1e-6)
+
+
+# --- masks ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", ["positive", "hyperbolic", "optimal_positive", "relu"])
+def test_key_mask_equals_truncated_sequence(name, maybe_jit):
+  q, k, v = _qkv()
+  proj = _proj()
+  keep = 25
+  mask = jnp.broadcast_to(jnp.arange(L) < keep, (B, L))
+  # Masked keys hold huge values: they must not leak through the stabiliser or FAVOR++'s ρ.
+  k = k.at[:, keep:].multiply(50.0)
+  masked = maybe_jit(lambda *a: core.favor_attention(*a[:4], kernel=name, key_mask=a[4]))(
+      q, k, v, proj, mask)
+  truncated = core.favor_attention(q, k[:, :keep], v[:, :keep], proj, kernel=name)
+  np.testing.assert_allclose(masked, truncated, rtol=1e-5, atol=1e-6)
+
+
+def test_all_masked_row_gives_zero_not_nan():
+  q, k, v = _qkv()
+  proj = _proj()
+  mask = jnp.ones((B, L), bool).at[1].set(False)
+  for causal in (False, True):
+    out = core.favor_attention(q, k, v, proj, causal=causal, key_mask=mask)
+    assert np.all(np.isfinite(out)) and np.all(out[1] == 0)
+    ref = core.softmax_attention(q, k, v, causal=causal, key_mask=mask)
+    assert np.all(np.isfinite(ref)) and np.all(ref[1] == 0)
+  # Causal: the first key masked means the first query sees nothing.
+  out = core.favor_attention(q, k, v, proj, causal=True, key_mask=jnp.ones((B, L), bool).at[:, 0].set(False))
+  assert np.all(out[:, 0] == 0) and np.all(np.isfinite(out))
+
+
+# --- numerics and dtypes -----------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("name", ["positive", "hyperbolic", "optimal_positive", "relu", "elu_plus_one"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_finite_outputs_and_grads_for_large_inputs(dtype, name, causal):
+  q, k, v = (x.astype(dtype) for x in _qkv(scale=20.0))
+  proj = _proj()
+  extra = _extra(name, causal)
+
+  def loss(q, k, v):
+    out = core.favor_attention(q, k, v, proj, kernel=name, causal=causal, chunk_size=8, **extra)
+    assert out.dtype == dtype
+    return jnp.sum(out.astype(jnp.float32))
+
+  val, grads = jax.value_and_grad(loss, argnums=(0, 1, 2))(q, k, v)
+  assert np.isfinite(float(val))
+  for g in grads:
+    assert np.all(np.isfinite(np.asarray(g, np.float32)))
+
+
+def test_bf16_matches_f32_within_bf16_precision():
+  q, k, v = _qkv()
+  proj = _proj()
+  out32 = core.favor_attention(q, k, v, proj, causal=True)
+  out16 = core.favor_attention(q.astype(jnp.bfloat16), k.astype(jnp.bfloat16), v.astype(jnp.bfloat16),
+                               proj, causal=True)
+  assert out16.dtype == jnp.bfloat16
+  np.testing.assert_allclose(np.float32(out16), out32, atol=0.05)
+
+
+# --- relation to exact softmax -------------------------------------------------------------
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_softmax_attention_matches_jax_reference(causal, maybe_jit):
+  q, k, v = _qkv()
+  ours = maybe_jit(core.softmax_attention, causal=causal)(q, k, v)
+  ref = jax.nn.dot_product_attention(q, k, v, is_causal=causal)
+  np.testing.assert_allclose(ours, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_favor_approaches_softmax_as_features_grow(causal):
+  q, k, v = _qkv()
+  exact = core.softmax_attention(q, k, v, causal=causal)
+  err = []
+  for m in (16, 256, 4096):
+    keys = jax.random.split(jax.random.PRNGKey(m), 4)
+    outs = [core.favor_attention(q, k, v, core.orthogonal_projection(kk, m, D), causal=causal)
+            for kk in keys]
+    err.append(np.mean([np.mean((o - exact) ** 2) for o in outs]))
+  assert err[1] < err[0] / 5 and err[2] < err[1] / 5 and err[2] < 1e-4
+
+
+def test_seed_experiment_error_falls_as_one_over_m():
+  # The seed article's setup: n=64, d=32, inputs ×0.3, V ~ N(0,1); its table sits at ~9e-4 for all m.
+  seed_table = {32: 0.000958, 64: 0.000857, 128: 0.000871, 256: 0.000870, 512: 0.000927}
+  rng = np.random.default_rng(42)
+  n, d = 64, 32
+  q, k = (jnp.asarray(rng.standard_normal((n, 1, d)) * 0.3, jnp.float32) for _ in range(2))
+  v = jnp.asarray(rng.standard_normal((n, 1, d)), jnp.float32)
+  exact = core.softmax_attention(q, k, v)
+  mse = {}
+  for m in seed_table:
+    draw = jax.jit(jax.vmap(lambda key: jnp.mean(
+        (core.favor_attention(q, k, v, core.orthogonal_projection(key, m, d)) - exact) ** 2)))
+    mse[m] = float(jnp.mean(draw(jax.random.split(jax.random.PRNGKey(m), 20))))
+  assert all(mse[m] < seed_table[m] for m in seed_table), mse
+  assert mse[32] / mse[512] > 10, mse
+
+
+# --- transformations -------------------------------------------------------------------------
+
+def test_vmap_over_projections_and_batch_dims():
+  q, k, v = _qkv(batch=(2, 3))
+  projs = jax.vmap(lambda kk: core.orthogonal_projection(kk, 16, D))(jax.random.split(jax.random.PRNGKey(0), 4))
+  outs = jax.vmap(lambda p: core.favor_attention(q, k, v, p, causal=True, chunk_size=8))(projs)
+  assert outs.shape == (4, 2, 3, L, H, D)
+  np.testing.assert_allclose(outs[2], core.favor_attention(q, k, v, projs[2], causal=True, chunk_size=8),
+                             rtol=1e-5, atol=1e-6)
+  # Leading batch dims are only batch: [2, 3] gives the same as a flat batch of 6.
+  flat = core.favor_attention(q.reshape(6, L, H, D), k.reshape(6, L, H, D), v.reshape(6, L, H, D),
+                              projs[0], causal=True, chunk_size=8)
+  np.testing.assert_allclose(outs[0].reshape(6, L, H, D), flat, rtol=1e-5, atol=1e-6)
+
+
+def test_grad_matches_finite_differences():
+  q, k, v = _qkv(length=6, batch=(1,))
+  proj = _proj()
+  f = lambda q: jnp.sum(jnp.sin(core.favor_attention(q, k, v, proj, causal=True, chunk_size=4)))
+  g = jax.grad(f)(q)
+  direction = jax.random.normal(jax.random.PRNGKey(4), q.shape)
+  eps = 1e-3
+  fd = (f(q + eps * direction) - f(q - eps * direction)) / (2 * eps)
+  np.testing.assert_allclose(float(jnp.sum(g * direction)), float(fd), rtol=2e-3)
+
+
+def test_cross_attention_different_lengths():
+  q, _, _ = _qkv(length=5)
+  _, k, v = _qkv(length=11)
+  proj = _proj(4096)
+  out = core.favor_attention(q, k, v, proj)
+  np.testing.assert_allclose(out, _explicit(*kernels.positive(q, k, proj, stabilize=False), v),
+                             rtol=1e-4, atol=1e-5)
+  assert np.mean(np.abs(out - core.softmax_attention(q, k, v))) < 0.01
+
+
+def test_user_callable_kernel():
+  q, k, v = _qkv()
+  proj = _proj()
+  mine = lambda q, k, p, stabilize=True: kernels.positive(q, k, p, stabilize=stabilize)
+  for causal in (False, True):
+    np.testing.assert_allclose(core.favor_attention(q, k, v, proj, kernel=mine, causal=causal),
+                               core.favor_attention(q, k, v, proj, causal=causal), rtol=1e-5, atol=1e-6)
+
+
+# --- bad input -------------------------------------------------------------------------------
+
+def test_bad_inputs_raise_clear_errors():
+  q, k, v = _qkv()
+  p = _proj()
+  fa = core.favor_attention
+  with pytest.raises(ValueError, match=r"query must have rank >= 3.*\(8,\)"):
+    fa(q[0, 0, 0], k, v, p)
+  with pytest.raises(ValueError, match=r"key head_dim 4 != query head_dim 8"):
+    fa(q, k[..., :4], v, p)
+  with pytest.raises(ValueError, match=r"projection must have shape \[num_features, 8\].*\(16, 4\)"):
+    fa(q, k, v, p[:, :4])
+  with pytest.raises(ValueError, match=r"value must have shape \(2, 37, 2, 'Dv'\).*\(2, 30, 2, 8\)"):
+    fa(q, k, v[:, :30], p)
+  with pytest.raises(ValueError, match=r"causal attention needs equal query and key lengths, got Lq=5"):
+    fa(q[:, :5], k, v, p, causal=True)
+  with pytest.raises(ValueError, match=r"key_mask must have shape \(2, 37\).*\(2, 36\)"):
+    fa(q, k, v, p, key_mask=jnp.ones((2, 36), bool))
+  with pytest.raises(TypeError, match="key_mask must be a boolean"):
+    fa(q, k, v, p, key_mask=jnp.ones((2, 37)))
+  with pytest.raises(ValueError, match="unknown kernel 'exp'"):
+    fa(q, k, v, p, kernel="exp")
+  with pytest.raises(TypeError, match="query must be a floating-point array, got dtype int32"):
+    fa(q.astype(jnp.int32), k, v, p)
+  with pytest.raises(TypeError, match="value must be a floating-point"):
+    fa(q, k, v.astype(jnp.int32), p)
+  with pytest.raises(ValueError, match="unknown causal_method"):
+    fa(q, k, v, p, causal=True, causal_method="fft")
+  with pytest.raises(ValueError, match="rho is the FAVOR\\+\\+ statistic"):
+    fa(q, k, v, p, rho=jnp.ones(()))
+  with pytest.raises(ValueError, match="future keys"):
+    fa(q, k, v, p, kernel="optimal_positive", causal=True)
+  with pytest.raises(ValueError, match="needs a projection"):
+    fa(q, k, v, None)
+  with pytest.raises(ValueError, match="key_features head_dim"):
+    core.linear_attention(q, k[..., :4], v)
+  with pytest.raises(ValueError, match="num_features must be positive"):
+    core.orthogonal_projection(jax.random.PRNGKey(0), 0, D)
+  with pytest.raises(ValueError, match="chunk_size must be a positive int"):
+    fa(q, k, v, p, causal=True, chunk_size=0)
