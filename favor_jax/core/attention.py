@@ -16,7 +16,9 @@ from favor_jax.core import causal as causal_lib
 from favor_jax.core import checks
 from favor_jax.core import kernels as kernels_lib
 
-__all__ = ["softmax_attention", "linear_attention", "favor_attention"]
+__all__ = [
+    "softmax_attention", "linear_attention", "favor_attention", "favor_decode_init", "favor_decode_step",
+]
 
 
 def _validate(query, key, value, key_mask, causal, q_name="query", k_name="key"):
@@ -148,6 +150,48 @@ def linear_attention(
               causal_method, chunk_size)
 
 
+def _resolve_kernel(kernel, projection, rho, query):
+  """(kernel function, whether it is data-dependent), after checking projection and rho against it."""
+  kern = kernels_lib.get_kernel(kernel)
+  name = getattr(kern, "__name__", repr(kern))
+  if projection is not None:
+    checks.check_projection(projection, query.shape[-1])
+  elif name != "elu_plus_one":
+    raise ValueError(f"kernel {name!r} needs a projection [M, {query.shape[-1]}], got None")
+  data_dependent = getattr(kern, "data_dependent", False)
+  if rho is not None and not data_dependent:
+    raise ValueError(f"rho is the FAVOR++ statistic; kernel {name!r} takes none")
+  return kern, data_dependent
+
+
+def _flat_rho(rho, query):
+  """ρ broadcast to [..., H] and flattened to [N, H] like the batch; None stays None."""
+  if rho is None:
+    return None
+  batch_heads = query.shape[:-3] + query.shape[-2:-1]
+  rho = jnp.asarray(rho, jnp.float32)
+  try:
+    rho = jnp.broadcast_to(rho, batch_heads)
+  except ValueError:
+    raise ValueError(f"rho must broadcast to [..., H] = {batch_heads}, got shape {rho.shape}") from None
+  return rho.reshape((-1,) + batch_heads[-1:])
+
+
+def _feature_fn(kern, projection, rho_NH, causal):
+  """feature_fn(q, k) -> (LogFeatures, LogFeatures) on flattened [N, l, H, D] slices."""
+  if hasattr(kern, "log_features"):
+    kwargs = {} if rho_NH is None else {"rho": rho_NH}
+    return lambda q, k: kern.log_features(q, k, projection, **kwargs)
+
+  def feature_fn(q, k):
+    # stabilize=True would scale keys by a max over all positions, future ones included.
+    qf, kf = kern(q, k, projection, stabilize=not causal)
+    return (kernels_lib.LogFeatures(None, qf.astype(jnp.float32)),
+            kernels_lib.LogFeatures(None, kf.astype(jnp.float32)))
+
+  return feature_fn
+
+
 def favor_attention(
     query: Float[Array, "... Lq H D"],
     key: Float[Array, "... Lk H D"],
@@ -177,37 +221,71 @@ def favor_attention(
   FAVOR++ statistic, required for ``optimal_positive`` when ``causal``.
   """
   _validate(query, key, value, key_mask, causal)
-  kern = kernels_lib.get_kernel(kernel)
-  if projection is not None:
-    checks.check_projection(projection, query.shape[-1])
-  elif getattr(kern, "__name__", "") != "elu_plus_one":
-    raise ValueError(f"kernel {getattr(kern, '__name__', kern)!r} needs a projection [M, {query.shape[-1]}]")
-  data_dependent = getattr(kern, "data_dependent", False)
-  if rho is not None and not data_dependent:
-    raise ValueError(f"rho is the FAVOR++ statistic; kernel {getattr(kern, '__name__', kern)!r} takes none")
-
-  rho_NH = None
-  if data_dependent:
-    batch_heads = query.shape[:-3] + query.shape[-2:-1]
-    if rho is None:
-      if causal:  # the kernel raises its own explanation
-        kern.log_features(query, key, projection, causal=True)
-      rho = kernels_lib.oprf_rho(query, key, key_mask)
-    rho = jnp.asarray(rho, jnp.float32)
-    try:
-      rho = jnp.broadcast_to(rho, batch_heads)
-    except ValueError:
-      raise ValueError(f"rho must broadcast to [..., H] = {batch_heads}, got shape {rho.shape}") from None
-    rho_NH = rho.reshape((-1,) + batch_heads[-1:])
-
-  if hasattr(kern, "log_features"):
-    kwargs = {} if rho_NH is None else {"rho": rho_NH}
-    feature_fn = lambda q, k: kern.log_features(q, k, projection, **kwargs)
-  else:
-    def feature_fn(q, k):
-      # stabilize=True would scale keys by a max over all positions, future ones included.
-      qf, kf = kern(q, k, projection, stabilize=not causal)
-      return (kernels_lib.LogFeatures(None, qf.astype(jnp.float32)),
-              kernels_lib.LogFeatures(None, kf.astype(jnp.float32)))
-
+  kern, data_dependent = _resolve_kernel(kernel, projection, rho, query)
+  if data_dependent and rho is None:
+    if causal:  # the kernel raises its own explanation
+      kern.log_features(query, key, projection, causal=True)
+    rho = kernels_lib.oprf_rho(query, key, key_mask)
+  feature_fn = _feature_fn(kern, projection, _flat_rho(rho, query), causal)
   return _run(feature_fn, query, key, value, key_mask, causal, causal_method, chunk_size)
+
+
+def favor_decode_init(
+    query: Float[Array, "... 1 H D"],
+    value: Float[Array, "... 1 H Dv"],
+    projection: Float[Array, "M D"] | None,
+    *,
+    kernel="positive",
+) -> causal_lib.RecurrentState:
+  """The empty recurrent state for :func:`favor_decode_step`, sized from one step's inputs.
+
+  State: S = Σ_j e^{log φ(k_j) − μ}[v_j, 1]ᵀ per head ([N, H, F, Dv+1], N the
+  flattened batch) and μ, the running per-feature maximum of log φ(k_j).
+  """
+  kern = kernels_lib.get_kernel(kernel)
+  rho = jnp.zeros(query.shape[:-3] + query.shape[-2:-1]) if getattr(kern, "data_dependent", False) else None
+  feature_fn = _feature_fn(kern, projection, _flat_rho(rho, query), True)
+  batch = query.shape[:-3]
+  return causal_lib.initial_state(feature_fn, _flatten(query, batch), _flatten(query, batch),
+                                  _flatten(value, batch))
+
+
+def favor_decode_step(
+    state: causal_lib.RecurrentState,
+    query: Float[Array, "... l H D"],
+    key: Float[Array, "... l H D"],
+    value: Float[Array, "... l H Dv"],
+    projection: Float[Array, "M D"] | None,
+    *,
+    kernel="positive",
+    key_mask: Bool[Array, "... l"] | None = None,
+    rho: Float[Array, "... H"] | None = None,
+    chunk_size: int = 64,
+) -> tuple[causal_lib.RecurrentState, Float[Array, "... l H Dv"]]:
+  """Continues causal FAVOR attention from ``state`` by l ≥ 1 tokens; O(M·Dv) state per head:
+
+      S ← S + φ(k_t)[v_t, 1]ᵀ,   out_t = φ(q_t)ᵀS[:, :Dv] / φ(q_t)ᵀS[:, Dv]
+
+  (with the running stabiliser). One token costs O(M·(D+Dv)); a longer step
+  (a prompt) runs the chunked algorithm. Steps over tokens 0..t give the same
+  outputs as ``favor_attention(..., causal=True)``.
+  """
+  _validate(query, key, value, key_mask, True)
+  kern, data_dependent = _resolve_kernel(kernel, projection, rho, query)
+  if data_dependent and rho is None:
+    kern.log_features(query, key, projection, causal=True)  # raises: FAVOR++ needs rho here
+  feature_fn = _feature_fn(kern, projection, _flat_rho(rho, query), True)
+  batch = query.shape[:-3]
+  q, k, v = (_flatten(x, batch) for x in (query, key, value))
+  v = v.astype(jnp.float32)
+  mask = _mask_NL(key_mask, key)
+  if q.shape[1] == 1:
+    fq, fk = feature_fn(q, k)
+    first = lambda f: kernels_lib.LogFeatures(*(None if x is None else x[:, 0] for x in f))
+    state, num, den = causal_lib.advance(state, first(fq), first(fk), v[:, 0], mask[:, 0])
+    num, den = num[:, None], den[:, None]
+  else:
+    num, den, state = causal_lib.chunked(feature_fn, q, k, v, mask, chunk_size=chunk_size, state=state,
+                                         return_state=True)
+  out = _divide(num, den)
+  return state, out.reshape(batch + out.shape[1:]).astype(_out_dtype(query, key, value))

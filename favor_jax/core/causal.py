@@ -20,8 +20,11 @@ with a column of ones, which carries the denominator).
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
+from jaxtyping import Array
 
 NEG_INF = -jnp.inf
 
@@ -128,7 +131,7 @@ def _chunked_block(feature_fn, chunk, carry, q, k, v, mask):
   intra_NcCHE = jnp.einsum("nchtj,ncjhe->ncthe", w_NcHCC, v1)
 
   y = (inter_NcCHE + intra_NcCHE).reshape((n, length, h, v1.shape[-1]))
-  return (ms[:, nc], ss[:, nc]), y
+  return RecurrentState(ms[:, nc], ss[:, nc]), y
 
 
 def _pad_to(x, length, value=0):
@@ -140,40 +143,45 @@ def _pad_to(x, length, value=0):
   return jnp.pad(x, widths, constant_values=value)
 
 
-def _initial_state(feature_fn, q, k, v):
-  """(μ, S) for 'no keys yet'; F and the width of μ are read off the feature map's shapes."""
+def initial_state(feature_fn, q, k, v) -> "RecurrentState":
+  """The state before any key; F and the width of μ are read off the feature map's shapes."""
   fk = jax.eval_shape(feature_fn, q[:, :1], k[:, :1])[1]
   f = fk.mult.shape[-1] if fk.mult is not None else fk.log.shape[-1]
   fm = 1 if fk.log is None else fk.log.shape[-1]
   n, _, h = q.shape[:3]
-  return (jnp.full((n, h, fm), NEG_INF, jnp.float32),
-          jnp.zeros((n, h, f, v.shape[-1] + 1), jnp.float32))
+  return RecurrentState(jnp.full((n, h, fm), NEG_INF, jnp.float32),
+                        jnp.zeros((n, h, f, v.shape[-1] + 1), jnp.float32))
 
 
-def chunked(feature_fn, q, k, v, mask, *, chunk_size: int = 64, block_chunks: int = 32):
+def chunked(feature_fn, q, k, v, mask, *, chunk_size: int = 64, block_chunks: int = 32, state=None,
+            return_state: bool = False):
   """Chunked causal linear attention: O(L·C·(F+Dv)) inside chunks, O(L·F·Dv) across them.
 
   Blocks of ``block_chunks`` chunks run under ``lax.scan`` with a
   rematerialised body, so fwd+bwd keeps the inputs and one [F, Dv+1] state per
-  block, not the O(L·F) features and [C, C] weights.
+  block, not the O(L·F) features and [C, C] weights. ``state`` continues
+  from earlier keys (a :class:`RecurrentState`); ``return_state`` also returns
+  the state after the last key.
   """
   n, length = q.shape[:2]
   chunk = min(chunk_size, length)
   block = chunk * block_chunks
-  carry = _initial_state(feature_fn, q, k, v)
+  carry = initial_state(feature_fn, q, k, v) if state is None else state
   body = lambda c, x: _chunked_block(feature_fn, chunk, c, *x)
   if length <= block:
     padded = -(-length // chunk) * chunk
     xs = [_pad_to(x, padded) for x in (q, k, v)] + [_pad_to(mask, padded, False)]
-    _, y = body(carry, xs)
+    carry, y = body(carry, xs)
   else:
     padded = -(-length // block) * block
     nb = padded // block
     to_blocks = lambda x: jnp.moveaxis(x.reshape((n, nb, block) + x.shape[2:]), 1, 0)
     xs = [to_blocks(_pad_to(x, padded)) for x in (q, k, v)] + [to_blocks(_pad_to(mask, padded, False))]
-    _, y = jax.lax.scan(jax.checkpoint(body), carry, xs)
+    carry, y = jax.lax.scan(jax.checkpoint(body), carry, xs)
     y = jnp.moveaxis(y, 0, 1).reshape((n, padded) + y.shape[3:])
   y = y[:, :length]
+  if return_state:
+    return y[..., :-1], y[..., -1], carry
   return y[..., :-1], y[..., -1]
 
 
@@ -184,26 +192,41 @@ def _prefix_readout(log_q, mult_q, mu, s):
   return jnp.einsum("...f,...fe->...e", q_hat, s)
 
 
+class RecurrentState(NamedTuple):
+  """Constant-size causal state: S_f = Σ_{j<t} e^{log φ(k_j)_f − μ_f}[v_j, 1], μ the running max."""
+  mu: Array  # [N, H, Fm]
+  s: Array  # [N, H, F, Dv+1]
+
+
+def advance(state: RecurrentState, fq, fk, v, mask=None):
+  """One token: add key t to the state (rescaling it if μ grows), then read query t.
+
+  ``fq``/``fk``: LogFeatures of one position, [N, H, F]; ``v``: [N, H, Dv].
+  Returns (new state, numerator [N, H, Dv], denominator [N, H]).
+  """
+  log_q, mult_q = _parts(fq)
+  log_k, mult_k = _parts(fk, mask)
+  new_mu = jnp.maximum(state.mu, jax.lax.stop_gradient(log_k))
+  safe = _finite_or_zero(new_mu)
+  s = (state.s * jnp.exp(state.mu - safe)[..., None]
+       + jnp.einsum("nhf,nhe->nhfe", _exp_times(log_k, safe, mult_k), _with_ones(v)))
+  y = _prefix_readout(log_q, mult_q, new_mu, s)
+  return RecurrentState(new_mu, s), y[..., :-1], y[..., -1]
+
+
 def scan(feature_fn, q, k, v, mask):
   """The Performer paper's per-token recurrence (one ``lax.scan`` step per position), for comparison."""
   fq, fk = feature_fn(q, k)
-  log_q, mult_q = _parts(fq)
-  log_k, mult_k = _parts(fk, mask)
-  v1 = _with_ones(v)
 
-  def step(carry, x):
-    lq, mq, lk, mk, v_t = x  # [N, H, ...]
-    mu, s = carry
-    new_mu = jnp.maximum(mu, jax.lax.stop_gradient(lk))
-    safe = _finite_or_zero(new_mu)
-    s = s * jnp.exp(mu - safe)[..., None] + jnp.einsum("nhf,nhe->nhfe", _exp_times(lk, safe, mk), v_t)
-    return (new_mu, s), _prefix_readout(lq, mq, new_mu, s)
+  def step(state, x):
+    fq_t, fk_t, v_t, m_t = x
+    state, num, den = advance(state, fq_t, fk_t, v_t, m_t)
+    return state, (num, den)
 
-  carry = _initial_state(feature_fn, q, k, v)
   t_major = lambda x: None if x is None else jnp.moveaxis(x, 1, 0)
-  _, y = jax.lax.scan(step, carry, [t_major(x) for x in (log_q, mult_q, log_k, mult_k, v1)])
-  y = jnp.moveaxis(y, 0, 1)
-  return y[..., :-1], y[..., -1]
+  xs = jax.tree_util.tree_map(t_major, (fq, fk, v, mask))
+  _, (num, den) = jax.lax.scan(step, initial_state(feature_fn, q, k, v), xs)
+  return jnp.moveaxis(num, 0, 1), jnp.moveaxis(den, 0, 1)
 
 
 def cumsum(feature_fn, q, k, v, mask):

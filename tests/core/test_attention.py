@@ -331,3 +331,44 @@ def test_bad_inputs_raise_clear_errors():
     core.orthogonal_projection(jax.random.PRNGKey(0), 0, D)
   with pytest.raises(ValueError, match="chunk_size must be a positive int"):
     fa(q, k, v, p, causal=True, chunk_size=0)
+
+
+# --- decoding ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", ["positive", "trigonometric", "optimal_positive", "relu"])
+def test_decode_steps_equal_causal_forward(name, maybe_jit):
+  q, k, v = _qkv(length=19)
+  proj = _proj()
+  extra = _extra(name, True)
+  mask = jnp.ones((B, 19), bool).at[:, 4].set(False)
+  full = core.favor_attention(q, k, v, proj, kernel=name, causal=True, key_mask=mask, chunk_size=8, **extra)
+  step = maybe_jit(lambda s, a, b, c, m: core.favor_decode_step(s, a, b, c, proj, kernel=name, key_mask=m, **extra))
+  state = core.favor_decode_init(q[:, :1], v[:, :1], proj, kernel=name)
+  outs = []
+  for t in range(19):
+    state, out = step(state, q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], mask[:, t:t + 1])
+    outs.append(out)
+  assert state.s.shape[-2:] == (kernels.num_features(kernels.KERNELS[name], 16, D), D + 1)
+  np.testing.assert_allclose(jnp.concatenate(outs, axis=1), full, rtol=1e-5, atol=1e-5)
+
+
+def test_decode_prompt_then_tokens_equals_causal_forward():
+  # A prompt longer than one chunk fills the state in one call, then tokens one at a time.
+  q, k, v = _qkv(length=23)
+  proj = _proj()
+  full = core.favor_attention(q, k, v, proj, causal=True, chunk_size=4)
+  state = core.favor_decode_init(q[:, :1], v[:, :1], proj)
+  state, prompt_out = core.favor_decode_step(state, q[:, :17], k[:, :17], v[:, :17], proj, chunk_size=4)
+  outs = [prompt_out]
+  for t in range(17, 23):
+    state, out = core.favor_decode_step(state, q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], proj)
+    outs.append(out)
+  np.testing.assert_allclose(jnp.concatenate(outs, axis=1), full, rtol=1e-5, atol=1e-5)
+
+
+def test_decode_step_needs_rho_for_favor_plus_plus():
+  q, k, v = _qkv(length=3)
+  proj = _proj()
+  state = core.favor_decode_init(q[:, :1], v[:, :1], proj)
+  with pytest.raises(ValueError, match="future keys"):
+    core.favor_decode_step(state, q[:, :1], k[:, :1], v[:, :1], proj, kernel="optimal_positive")

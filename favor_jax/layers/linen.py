@@ -1,0 +1,154 @@
+"""Linen ``FavorAttention``: Flax's multi-head attention with FAVOR inside.
+
+Same constructor arguments and parameter tree as
+``flax.linen.MultiHeadDotProductAttention`` (a softmax model's ``params`` load
+unchanged), plus ``num_features``, ``kernel``, ``projection``, ``causal``.
+
+Variables besides ``params``:
+- ``favor``: ``projection`` [M, head_dim] and ``projection_kind`` (index into
+  ``PROJECTIONS``), and for causal FAVOR++ a running ``rho`` [H]. Never
+  trained; saved with checkpoints; replaced only by :func:`redraw`.
+- ``cache`` (``decode=True``): the constant-size recurrent state.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from favor_jax import core
+from favor_jax import layers
+
+__all__ = ["FavorAttention", "redraw"]
+
+
+def redraw(variables, key, due=True):
+  """New variables with every FavorAttention projection redrawn (independently per layer) where ``due``.
+
+  Pure and jit-friendly: ``due`` may be traced (see ``layers.redraw_due``).
+  """
+  favor = variables.get("favor")
+  if favor is None:
+    raise ValueError("no 'favor' collection in variables: pass the full variables of a model with "
+                     "FavorAttention layers (model.init(...) output), not only params")
+  counter = [0]
+
+  def visit(tree):
+    if isinstance(tree, dict) and "projection" in tree and "projection_kind" in tree:
+      old = tree["projection"]
+      fresh = layers.draw_projection_by_index(
+          jax.random.fold_in(key, counter[0]), tree["projection_kind"], *old.shape)
+      counter[0] += 1
+      return {**tree, "projection": jnp.where(due, fresh.astype(old.dtype), old)}
+    if isinstance(tree, dict):
+      return {k: visit(v) for k, v in sorted(tree.items())}
+    return tree
+
+  return {**variables, "favor": visit(dict(favor))}
+
+
+class FavorAttention(nn.MultiHeadDotProductAttention):
+  """Multi-head FAVOR attention (Choromanski et al. 2021) as a Linen module.
+
+  Attributes beyond Flax's: ``num_features`` (M), ``kernel`` (a name in
+  ``core.KERNELS``), ``projection`` ("orthogonal", "iid", "simplex"),
+  ``causal``, ``chunk_size`` (causal chunks) and ``rho_momentum`` (running
+  FAVOR++ statistic for causal layers, updated when ``deterministic=False``
+  and the ``favor`` collection is mutable, and only *after* the step that
+  used the old value, so no output depends on later tokens).
+  """
+  num_features: int = 256
+  kernel: str = "positive"
+  projection: str = "orthogonal"
+  causal: bool = False
+  chunk_size: int = 64
+  rho_momentum: float = 0.99
+
+  def _check_config(self):
+    if self.attention_fn is not nn.dot_product_attention:
+      raise ValueError("FavorAttention computes its own attention; do not pass attention_fn")
+    if self.qk_attn_weights_einsum_cls is not None or self.attn_weights_value_einsum_cls is not None:
+      raise ValueError("attention-weight einsum classes do not apply to FAVOR attention")
+    if self.projection not in layers.PROJECTIONS:
+      raise ValueError(f"projection must be one of {layers.PROJECTIONS}, got {self.projection!r}")
+    if not isinstance(self.num_features, int) or self.num_features <= 0:
+      raise ValueError(f"num_features must be a positive int, got {self.num_features!r}")
+    core.get_kernel(self.kernel)
+    if self.decode and not self.causal:
+      raise ValueError("decode=True needs causal=True: decoding is autoregressive")
+
+  @nn.compact
+  def __call__(self, inputs_q, inputs_k=None, inputs_v=None, *, mask=None, deterministic=None,
+               dropout_rng=None, sow_weights=False):
+    del dropout_rng
+    self._check_config()
+    if sow_weights:
+      raise ValueError("sow_weights is not supported: FAVOR attention never forms attention weights")
+    inputs_k = inputs_q if inputs_k is None else inputs_k
+    inputs_v = inputs_k if inputs_v is None else inputs_v
+    features = self.out_features or inputs_q.shape[-1]
+    qkv_features = self.qkv_features or inputs_q.shape[-1]
+    if qkv_features % self.num_heads:
+      raise ValueError(f"qkv_features {qkv_features} must be divisible by num_heads {self.num_heads}")
+    head_dim = qkv_features // self.num_heads
+    dense = lambda name: nn.DenseGeneral(
+        axis=-1, dtype=self.dtype, param_dtype=self.param_dtype, features=(self.num_heads, head_dim),
+        kernel_init=self.kernel_init, bias_init=self.bias_init, use_bias=self.use_bias,
+        precision=self.precision, dot_general=self.qkv_dot_general,
+        dot_general_cls=self.qkv_dot_general_cls, name=name)
+    query, key, value = dense("query")(inputs_q), dense("key")(inputs_k), dense("value")(inputs_v)
+    if self.normalize_qk:
+      ln = lambda name: nn.LayerNorm(name=name, use_bias=False, dtype=self.dtype, param_dtype=self.param_dtype)
+      query, key = ln("query_ln")(query), ln("key_ln")(key)
+
+    projection = self.variable(
+        "favor", "projection",
+        lambda: layers.draw_projection(self.make_rng("params"), self.projection, self.num_features, head_dim))
+    self.variable("favor", "projection_kind",
+                  lambda: jnp.asarray(layers.PROJECTIONS.index(self.projection), jnp.int32))
+    if projection.value.shape != (self.num_features, head_dim):
+      raise ValueError(f"favor/projection must have shape {(self.num_features, head_dim)}, "
+                       f"got {projection.value.shape}")
+
+    deterministic = True if deterministic is None and self.deterministic is None else (
+        self.deterministic if deterministic is None else deterministic)
+    layers.check_dropout(self.dropout_rate, deterministic)
+    key_mask = layers.key_mask_from_flax(mask, key)
+    rho = self._running_rho(query, key, key_mask, train=not deterministic)
+    attend = dict(kernel=self.kernel, key_mask=key_mask, rho=rho, chunk_size=self.chunk_size)
+    with layers.precision_scope(self.precision):
+      if self.decode:
+        x = self._decode(query, key, value, projection.value, attend)
+      else:
+        x = core.favor_attention(query, key, value, projection.value, causal=self.causal, **attend)
+    return nn.DenseGeneral(
+        features=features, axis=(-2, -1), kernel_init=self.out_kernel_init or self.kernel_init,
+        bias_init=self.out_bias_init or self.bias_init, use_bias=self.use_bias, dtype=self.dtype,
+        param_dtype=self.param_dtype, precision=self.precision, dot_general=self.out_dot_general,
+        dot_general_cls=self.out_dot_general_cls, name="out")(x)
+
+  def _running_rho(self, query, key, key_mask, train):
+    """Causal FAVOR++: the running ρ as it was before this step (then updated if training)."""
+    if not (self.causal and getattr(core.get_kernel(self.kernel), "data_dependent", False)):
+      return None
+    rho = self.variable("favor", "rho", jnp.zeros, (self.num_heads,), jnp.float32)
+    used = rho.value
+    if train and self.is_mutable_collection("favor") and not self.is_initializing():
+      batch_rho = jax.lax.stop_gradient(core.oprf_rho(query, key, key_mask))
+      batch_rho = batch_rho.reshape((-1, self.num_heads)).mean(0)
+      rho.value = self.rho_momentum * used + (1 - self.rho_momentum) * batch_rho
+    return used
+
+  def _decode(self, query, key, value, projection, attend):
+    initialized = self.has_variable("cache", "mu")
+    empty = lambda: core.favor_decode_init(query[..., :1, :, :], value[..., :1, :, :], projection,
+                                           kernel=self.kernel)
+    mu = self.variable("cache", "mu", lambda: empty().mu)
+    s = self.variable("cache", "s", lambda: empty().s)
+    if not initialized:  # init pass: create the cache, attend over the given inputs
+      return core.favor_attention(query, key, value, projection, causal=True, **attend)
+    state, x = core.favor_decode_step(core.RecurrentState(mu.value, s.value), query, key, value,
+                                      projection, **attend)
+    mu.value, s.value = state.mu, state.s
+    return x
