@@ -14,7 +14,6 @@ import argparse
 import json
 import os
 import platform
-import resource
 import subprocess
 import sys
 import time
@@ -66,11 +65,12 @@ def fwd_bwd(fn):
 def peak_rss_child(seq_len: int) -> int:
   """Peak RSS (bytes) of a fresh process running causal FAVOR+ fwd+bwd at ``seq_len``."""
   code = (
-      "import resource, jax, jax.numpy as jnp\n"
+      "import jax\n"
       "from experiments.benchmarks.attention_speed import inputs, fwd_bwd, METHODS\n"
       f"q, k, v, p = inputs({seq_len})\n"
       "jax.block_until_ready(fwd_bwd(METHODS['favor_chunked'](True))(q, k, v, p))\n"
-      "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)\n")
+      # VmHWM, not ru_maxrss: Linux carries ru_maxrss over from the parent across fork/exec.
+      "print(int(next(l for l in open('/proc/self/status') if l.startswith('VmHWM')).split()[1]) * 1024)\n")
   out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
   return int(out.stdout.strip().splitlines()[-1])
 

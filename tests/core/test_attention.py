@@ -72,7 +72,7 @@ def test_favor_equals_linear_attention_on_raw_features(name, causal, maybe_jit):
 
 
 def test_chunked_with_several_scan_blocks_matches_cumsum():
-  # L > chunk_size * 32 exercises the rematerialised lax.scan over blocks, with padding.
+  # L > chunk_size * 4 exercises the rematerialised lax.scan over blocks, with padding.
   q, k, v = _qkv(length=301, batch=(1,))
   mask = jax.random.bernoulli(jax.random.PRNGKey(2), 0.9, (1, 301))
   outs = [core.favor_attention(q, k, v, _proj(), causal=True, key_mask=mask, causal_method=m,

@@ -1,0 +1,33 @@
+"""Approximation study: FAVOR error against exact softmax attention, vs M, per kernel and projection.
+
+    python -m experiments.main --config=experiments/configs/approximation.py --workdir=workdir/approximation
+    python -m experiments.main --config=experiments/configs/approximation.py --workdir=/tmp/a --config.quick=True
+"""
+
+import ml_collections
+
+
+def get_config():
+  config = ml_collections.ConfigDict()
+  config.experiment = "approximation"  # which study experiments.main runs
+  config.quick = False  # True: a seconds-long smoke version (fewer kernels, M values and draws)
+  config.seed = 0  # seed of the inputs and of the projection draws
+  config.num_draws = 20  # projection draws averaged per configuration (>= 20 for published numbers)
+  # Sweeps.
+  config.kernels = ("positive", "hyperbolic", "trigonometric", "optimal_positive", "relu", "elu_plus_one")
+  config.projections = ("iid", "orthogonal", "simplex")  # favor_jax.layers.PROJECTIONS
+  config.num_features = (16, 32, 64, 128, 256, 512, 1024)  # M, the number of projection rows
+  # (name, sequence length, head dim, input scale): q, k ~ N(0, 1)·scale, v ~ N(0, 1).
+  # "seed" is the seed article's experiment; "hard" is d=64 with unit-variance q, k.
+  config.settings = (("seed", 64, 32, 0.3), ("moderate", 256, 64, 0.5), ("hard", 256, 64, 1.0))
+  return config
+
+
+def apply_quick(config):
+  """The smoke version of this config (applied by experiments.main when config.quick)."""
+  config.num_draws = 4
+  config.kernels = ("positive", "hyperbolic", "optimal_positive")
+  config.projections = ("iid", "orthogonal")
+  config.num_features = (32, 128, 512)
+  config.settings = (("seed", 64, 32, 0.3),)
+  return config

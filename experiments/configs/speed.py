@@ -1,0 +1,38 @@
+"""Speed and memory study: exact attention vs FAVOR+ (bidirectional and causal algorithms) against length.
+
+    python -m experiments.main --config=experiments/configs/speed.py --workdir=workdir/speed
+    python -m experiments.main --config=experiments/configs/speed.py --workdir=/tmp/s --config.quick=True
+    # on a GPU: --config.dtype=bfloat16 --config.seq_lens="(1024, 4096, 16384, 65536, 131072)"
+"""
+
+import ml_collections
+
+
+def get_config():
+  config = ml_collections.ConfigDict()
+  config.experiment = "speed"  # which study experiments.main runs
+  config.quick = False  # True: a seconds-long smoke version
+  config.batch = 1  # B
+  config.heads = 8  # H
+  config.head_dim = 64  # D (= Dv)
+  config.num_features = 256  # M, projection rows
+  config.dtype = "float32"  # input dtype; "bfloat16" on accelerators
+  config.seq_lens = (256, 1024, 4096, 16384, 65536)  # L sweep
+  # softmax: ours; jax_dot_product_attention: cuDNN on GPU; favor: chunked causal / bidirectional;
+  # favor_scan: the paper's per-token recurrence; favor_cumsum: materialised prefix states.
+  config.methods = ("softmax", "jax_dot_product_attention", "favor", "favor_scan", "favor_cumsum")
+  config.causal = (False, True)  # attention modes to time
+  config.passes = ("fwd", "fwd_bwd")  # forward only, and forward + backward
+  config.repeats = 5  # timed runs per configuration (median reported)
+  config.memory_limit_gb = 12.0  # a program needing more is recorded as out_of_memory, not run
+  config.scan_max_len = 16384  # the per-token scan is skipped (recorded) beyond this length
+  return config
+
+
+def apply_quick(config):
+  """The smoke version of this config (applied by experiments.main when config.quick)."""
+  config.seq_lens = (256, 1024)
+  config.heads = 2
+  config.num_features = 64
+  config.repeats = 2
+  return config

@@ -1,0 +1,65 @@
+"""The one entry point for every experiment: an ml_collections config file and a work directory.
+
+    python -m experiments.main --config=experiments/configs/NAME.py --workdir=DIR [--config.FIELD=VALUE]
+
+Writes DIR/config.json, DIR/results.json (a list of flat records), DIR/summary.md
+and the study's *.png plots.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import platform
+import time
+
+import jax
+from absl import app, flags
+from ml_collections import config_flags
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "experiment config file")
+_WORKDIR = flags.DEFINE_string("workdir", None, "directory for config.json, results.json, summary.md, plots")
+flags.mark_flags_as_required(["config", "workdir"])
+
+# config.experiment -> module with run(config, progress), summarize(records, config), plot(records, config, dir)
+STUDIES = {"approximation": "experiments.approximation", "speed": "experiments.speed"}
+
+
+def machine() -> dict:
+  return dict(date=time.strftime("%Y-%m-%d"), platform=platform.platform(), cpu_count=os.cpu_count(),
+              jax=jax.__version__, backend=jax.default_backend(),
+              devices=sorted({d.device_kind for d in jax.devices()}))
+
+
+def run(config, workdir) -> list[dict]:
+  if config.experiment not in STUDIES:
+    raise ValueError(f"unknown experiment {config.experiment!r}; choose one of {sorted(STUDIES)}")
+  if config.get("quick"):
+    config_module = importlib.import_module(f"experiments.configs.{config.experiment}")
+    config = config_module.apply_quick(config)
+  study = importlib.import_module(STUDIES[config.experiment])
+  os.makedirs(workdir, exist_ok=True)
+  with open(os.path.join(workdir, "config.json"), "w") as f:
+    json.dump(dict(config=config.to_dict(), machine=machine()), f, indent=1, default=str)
+  start = time.time()
+  records = study.run(config, progress=lambda msg: print(f"[{time.time() - start:7.1f}s] {msg}", flush=True))
+  with open(os.path.join(workdir, "results.json"), "w") as f:
+    json.dump(records, f, indent=1)
+  summary = study.summarize(records, config)
+  summary += f"\nMachine: {machine()}\n"
+  with open(os.path.join(workdir, "summary.md"), "w") as f:
+    f.write(summary)
+  for path in study.plot(records, config, workdir):
+    print("wrote", path)
+  print(summary)
+  return records
+
+
+def main(argv):
+  del argv
+  run(_CONFIG.value, _WORKDIR.value)
+
+
+if __name__ == "__main__":
+  app.run(main)

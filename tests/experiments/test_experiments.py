@@ -1,0 +1,64 @@
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def test_approximation_quick_run_writes_all_outputs(tmp_path):
+  from experiments import main
+  from experiments.configs import approximation as cfg
+
+  config = cfg.get_config()
+  config.quick = True
+  records = main.run(config, str(tmp_path))
+  for name in ("config.json", "results.json", "summary.md", "error_vs_m_seed.png", "seed_experiment.png"):
+    assert (tmp_path / name).exists(), name
+  fields = {"kernel", "projection", "num_features", "dim", "input_scale", "seq_len", "mse", "mse_ci95",
+            "rel_error", "kernel_mse"}
+  assert all(fields <= set(r) for r in records)
+  assert json.loads((tmp_path / "results.json").read_text()) == records
+  pos = {r["num_features"]: r["mse"] for r in records
+         if r["kernel"] == "positive" and r["projection"] == "orthogonal"}
+  assert pos[512] < pos[32] / 4  # error falls with M
+  assert "The papers' claims" in (tmp_path / "summary.md").read_text()
+
+
+def test_command_line_overrides_and_bad_experiment(tmp_path):
+  cmd = [sys.executable, "-m", "experiments.main", "--config=experiments/configs/approximation.py",
+         f"--workdir={tmp_path}", "--config.quick=True", "--config.experiment=nonsense"]
+  out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+  assert out.returncode != 0 and "unknown experiment 'nonsense'" in out.stderr
+  assert not (tmp_path / "results.json").exists()
+
+
+def test_notebook_executes(tmp_path):
+  nbformat = pytest.importorskip("nbformat")
+  nbclient = pytest.importorskip("nbclient")
+  nb = nbformat.read(ROOT / "notebooks" / "approximation.ipynb", as_version=4)
+  os.environ["FAVOR_NOTEBOOK_QUICK"] = "1"
+  env_path = os.environ.get("PYTHONPATH", "")
+  os.environ["PYTHONPATH"] = f"{ROOT}:{env_path}" if env_path else str(ROOT)
+  nbclient.NotebookClient(nb, timeout=600, kernel_name="python3",
+                          resources={"metadata": {"path": str(ROOT)}}).execute()
+  outputs = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []))
+  assert "FAVOR+ here" in outputs
+
+
+def test_speed_quick_run_records_every_method(tmp_path):
+  from experiments import main
+  from experiments.configs import speed as cfg
+
+  config = cfg.get_config()
+  config.quick = True
+  config.memory_limit_gb = 0.004  # exact attention at L=1024 (8 MB of logits) is "out of memory" here
+  records = main.run(config, str(tmp_path))
+  assert {r["method"] for r in records} == set(config.methods)
+  ok = [r for r in records if r["status"] == "ok"]
+  assert ok and all(r["median_s"] > 0 and r["gflops_per_s"] > 0 for r in ok)
+  assert any(r["status"] == "out_of_memory" for r in records)
+  assert (tmp_path / "speed_memory_vs_length.png").exists()
