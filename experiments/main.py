@@ -23,7 +23,11 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "directory for config.json, resu
 flags.mark_flags_as_required(["config", "workdir"])
 
 # config.experiment -> module with run(config, progress), summarize(records, config), plot(records, config, dir)
-STUDIES = {"approximation": "experiments.approximation", "speed": "experiments.speed"}
+STUDIES = {
+    "approximation": "experiments.approximation",
+    "speed": "experiments.speed",
+    "peers": "experiments.peers",
+}
 
 
 def machine() -> dict:

@@ -22,17 +22,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from experiments.timing import median_of
 from favor_jax import core
 
 
 def median_seconds(fn, *args, repeats: int = 5) -> float:
-  jax.block_until_ready(fn(*args))  # compile + warm-up
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - start)
-  return float(np.median(times))
+  return median_of(lambda: jax.block_until_ready(fn(*args)), repeats)
 
 
 def temp_bytes(fn, *args) -> int:
