@@ -168,13 +168,7 @@ def _flat_rho(rho, query):
   """ρ broadcast to [..., H] and flattened to [N, H] like the batch; None stays None."""
   if rho is None:
     return None
-  batch_heads = query.shape[:-3] + query.shape[-2:-1]
-  rho = jnp.asarray(rho, jnp.float32)
-  try:
-    rho = jnp.broadcast_to(rho, batch_heads)
-  except ValueError:
-    raise ValueError(f"rho must broadcast to [..., H] = {batch_heads}, got shape {rho.shape}") from None
-  return rho.reshape((-1,) + batch_heads[-1:])
+  return kernels_lib.broadcast_rho(rho, query).reshape((-1, query.shape[-2]))
 
 
 def _feature_fn(kern, projection, rho_NH, causal):

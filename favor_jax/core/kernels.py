@@ -28,7 +28,7 @@ from favor_jax.core import checks
 
 __all__ = [
     "positive", "hyperbolic", "trigonometric", "optimal_positive", "relu", "elu_plus_one",
-    "oprf_rho", "KERNELS", "get_kernel", "LogFeatures",
+    "oprf_rho", "broadcast_rho", "KERNELS", "get_kernel", "LogFeatures",
 ]
 
 
@@ -153,6 +153,16 @@ def oprf_rho(query: Float[Array, "... Lq H D"], key: Float[Array, "... Lk H D"],
   return (x_sq + y_sq + 2 * jnp.sum(x_bar * y_bar, -1)) / d
 
 
+def broadcast_rho(rho, query) -> Float[Array, "... H"]:
+  """ρ as float32 broadcast to query's [..., H] (batch dims and heads), or a clear error."""
+  batch_heads = query.shape[:-3] + query.shape[-2:-1]
+  rho = jnp.asarray(rho, jnp.float32)
+  try:
+    return jnp.broadcast_to(rho, batch_heads)
+  except ValueError:
+    raise ValueError(f"rho must broadcast to [..., H] = {batch_heads}, got shape {rho.shape}") from None
+
+
 def _optimal_positive(query: Float[Array, "... Lq H D"], key: Float[Array, "... Lk H D"],
                       projection: Float[Array, "M D"], *, rho=None, key_mask=None,
                       causal: bool = False):
@@ -178,12 +188,7 @@ def _optimal_positive(query: Float[Array, "... Lq H D"], key: Float[Array, "... 
           f"broadcastable to {query.shape[:-3] + query.shape[-2:-1]}, e.g. a running average "
           "of oprf_rho kept by the layer) or use a data-independent kernel")
     rho = oprf_rho(query, key, key_mask)
-  rho = jnp.asarray(rho, jnp.float32)
-  batch_heads = query.shape[:-3] + query.shape[-2:-1]
-  try:
-    rho = jnp.broadcast_to(rho, batch_heads)
-  except ValueError:
-    raise ValueError(f"rho must broadcast to [..., H] = {batch_heads}, got shape {rho.shape}") from None
+  rho = broadcast_rho(rho, query)
   rho = jax.lax.stop_gradient(rho)
   d = x.shape[-1]
   a = (1.0 - 2.0 * rho - jnp.sqrt(jnp.square(2.0 * rho + 1.0) + 8.0 * rho)) / 16.0

@@ -95,6 +95,13 @@ def precision_scope(precision):
   return jax.default_matmul_precision(precision)
 
 
+def updated_rho(running, query, key, key_mask, momentum: float):
+  """Exponential moving average of FAVOR++'s ρ [H] with this batch's mean ρ (no gradient)."""
+  batch_rho = jax.lax.stop_gradient(core.oprf_rho(query, key, key_mask))
+  batch_rho = batch_rho.reshape((-1, batch_rho.shape[-1])).mean(0)
+  return momentum * running + (1 - momentum) * batch_rho
+
+
 def make_attention_fn(
     projection: Float[Array, "M D"] | None,
     *,

@@ -135,9 +135,7 @@ class FavorAttention(nn.MultiHeadDotProductAttention):
     rho = self.variable("favor", "rho", jnp.zeros, (self.num_heads,), jnp.float32)
     used = rho.value
     if train and self.is_mutable_collection("favor") and not self.is_initializing():
-      batch_rho = jax.lax.stop_gradient(core.oprf_rho(query, key, key_mask))
-      batch_rho = batch_rho.reshape((-1, self.num_heads)).mean(0)
-      rho.value = self.rho_momentum * used + (1 - self.rho_momentum) * batch_rho
+      rho.value = layers.updated_rho(used, query, key, key_mask, self.rho_momentum)
     return used
 
   def _decode(self, query, key, value, projection, attend):

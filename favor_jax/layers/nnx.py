@@ -106,9 +106,7 @@ class FavorAttention(nnx.MultiHeadAttention):
     if self.rho is not None:
       rho = self.rho[...]
       if not deterministic:
-        batch_rho = jax.lax.stop_gradient(core.oprf_rho(query, key, key_mask))
-        self.rho[...] = self.rho_momentum * rho + (1 - self.rho_momentum) * batch_rho.reshape(
-            (-1, self.num_heads)).mean(0)
+        self.rho[...] = layers.updated_rho(rho, query, key, key_mask, self.rho_momentum)
     attend = dict(kernel=self.kernel, key_mask=key_mask, rho=rho, chunk_size=self.chunk_size)
     projection = self.projection[...]
     with layers.precision_scope(self.precision):
