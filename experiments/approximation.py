@@ -64,7 +64,7 @@ def uniform_baseline(q, k, v):
           float(jnp.mean((1.0 / k.shape[-3] - exact_matrix(q, k)) ** 2)))
 
 
-def run(config, progress=print):
+def run(config, progress=print, workdir=None):
   records = []
   for name, seq_len, dim, scale in config.settings:
     q, k, v = make_inputs(seq_len, dim, scale, config.seed)

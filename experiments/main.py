@@ -3,7 +3,8 @@
     python -m experiments.main --config=experiments/configs/NAME.py --workdir=DIR [--config.FIELD=VALUE]
 
 Writes DIR/config.json, DIR/results.json (a list of flat records), DIR/summary.md
-and the study's *.png plots.
+and the study's *.png plots; training studies also write one subdirectory per
+run (metrics.jsonl, checkpoints/, loss.png) and resume from it when rerun.
 """
 
 from __future__ import annotations
@@ -15,18 +16,24 @@ import platform
 import time
 
 import jax
-from absl import app, flags
+from absl import app, flags, logging
 from ml_collections import config_flags
+
+from experiments.configs import common
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "experiment config file")
 _WORKDIR = flags.DEFINE_string("workdir", None, "directory for config.json, results.json, summary.md, plots")
 flags.mark_flags_as_required(["config", "workdir"])
 
-# config.experiment -> module with run(config, progress), summarize(records, config), plot(records, config, dir)
+# config.experiment -> module with run(config, progress, workdir), summarize(records, config),
+# plot(records, config, workdir)
 STUDIES = {
     "approximation": "experiments.approximation",
     "speed": "experiments.speed",
     "peers": "experiments.peers",
+    "train": "experiments.sweep",
+    "backward_compat": "experiments.backward_compat",
+    "sequence_parallel": "experiments.sequence_parallel",
 }
 
 
@@ -36,18 +43,22 @@ def machine() -> dict:
               devices=sorted({d.device_kind for d in jax.devices()}))
 
 
-def run(config, workdir) -> list[dict]:
+def run(config, workdir, overrides=None) -> list[dict]:
+  """Runs ``config``'s study; ``overrides`` (dotted fields) win over the quick version's values."""
   if config.experiment not in STUDIES:
     raise ValueError(f"unknown experiment {config.experiment!r}; choose one of {sorted(STUDIES)}")
   if config.get("quick"):
-    config_module = importlib.import_module(f"experiments.configs.{config.experiment}")
-    config = config_module.apply_quick(config)
+    config_module = importlib.import_module(f"experiments.configs.{config.get('config_name', config.experiment)}")
+    config = common.set_fields(config_module.apply_quick(config), overrides or {})
+  if config.get("mesh") is not None and config.mesh.distributed:
+    jax.distributed.initialize()  # multi-host: coordinator and process ids from the launcher's environment
   study = importlib.import_module(STUDIES[config.experiment])
   os.makedirs(workdir, exist_ok=True)
   with open(os.path.join(workdir, "config.json"), "w") as f:
     json.dump(dict(config=config.to_dict(), machine=machine()), f, indent=1, default=str)
   start = time.time()
-  records = study.run(config, progress=lambda msg: print(f"[{time.time() - start:7.1f}s] {msg}", flush=True))
+  records = study.run(config, progress=lambda msg: print(f"[{time.time() - start:7.1f}s] {msg}", flush=True),
+                      workdir=workdir)
   with open(os.path.join(workdir, "results.json"), "w") as f:
     json.dump(records, f, indent=1)
   summary = study.summarize(records, config)
@@ -62,7 +73,10 @@ def run(config, workdir) -> list[dict]:
 
 def main(argv):
   del argv
-  run(_CONFIG.value, _WORKDIR.value)
+  logging.set_verbosity(logging.WARNING)  # orbax logs every checkpoint step at INFO
+  overrides = {name.removeprefix("config."): flags.FLAGS[name].value for name in flags.FLAGS
+               if name.startswith("config.") and flags.FLAGS[name].present}
+  run(_CONFIG.value, _WORKDIR.value, overrides)
 
 
 if __name__ == "__main__":

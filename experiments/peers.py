@@ -138,7 +138,7 @@ def approximation(config):
   return records
 
 
-def run(config, progress=print):
+def run(config, progress=print, workdir=None):
   if not peers_available():
     raise SystemExit(f"the peers study needs torch and performer-pytorch: {INSTALL_HINT}")
   records = []

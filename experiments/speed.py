@@ -50,7 +50,7 @@ def matmul_ceiling(dtype, size=4096, repeats=3):
   return 2 * size ** 3 / seconds / 1e9
 
 
-def run(config, progress=print):
+def run(config, progress=print, workdir=None):
   on_gpu = jax.default_backend() == "gpu"
   dtype = jnp.dtype(config.dtype)
   methods = _methods(on_gpu)

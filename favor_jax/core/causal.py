@@ -67,17 +67,27 @@ def _with_ones(v):
   return jnp.concatenate([v, jnp.ones(v.shape[:-1] + (1,), v.dtype)], axis=-1)
 
 
-def bidirectional(feature_fn, q, k, v, mask):
-  """Σ over all unmasked keys; per-feature key scale m_f = max_j log φ(k_j)_f."""
+def bidirectional(feature_fn, q, k, v, mask, axis_name=None):
+  """Σ over all unmasked keys; per-feature key scale m_f = max_j log φ(k_j)_f.
+
+  ``axis_name``: the keys are split along the sequence over this mesh axis
+  (inside ``shard_map``): one ``pmax`` of the key scales and one ``psum`` of
+  Σφ(k)vᵀ and Σφ(k) make every device's result the full one.
+  """
   fq, fk = feature_fn(q, k)
   log_q, mult_q = _parts(fq)
   log_k, mult_k = _parts(fk, mask)
-  m_N1HF = _finite_or_zero(jax.lax.stop_gradient(jnp.max(log_k, axis=1, keepdims=True)))
+  m_N1HF = jax.lax.stop_gradient(jnp.max(log_k, axis=1, keepdims=True))
+  if axis_name is not None:
+    m_N1HF = jax.lax.stop_gradient(jax.lax.pmax(m_N1HF, axis_name))
+  m_N1HF = _finite_or_zero(m_N1HF)
   k_hat = _exp_times(log_k, m_N1HF, mult_k)
   shifted = log_q + m_N1HF
   q_hat = _exp_times(shifted, jnp.max(shifted, axis=-1, keepdims=True), mult_q)
   kv_NHFD = jnp.einsum("nlhf,nlhd->nhfd", k_hat, v)
   ksum_NHF = jnp.sum(k_hat, axis=1)
+  if axis_name is not None:
+    kv_NHFD, ksum_NHF = jax.lax.psum((kv_NHFD, ksum_NHF), axis_name)
   num_NLHD = jnp.einsum("nlhf,nhfd->nlhd", q_hat, kv_NHFD)
   den_NLH = jnp.einsum("nlhf,nhf->nlh", q_hat, ksum_NHF)
   return num_NLHD, den_NLH
@@ -184,6 +194,28 @@ def chunked(feature_fn, q, k, v, mask, *, chunk_size: int = 64, block_chunks: in
   if return_state:
     return y[..., :-1], y[..., -1], carry
   return y[..., :-1], y[..., -1]
+
+
+def key_state(feature_fn, q, k, v, mask) -> "RecurrentState":
+  """The state after all of this block's keys, from the empty state: (μ_f = max_j log φ(k_j)_f, S)."""
+  log_k, mult_k = _parts(feature_fn(q, k)[1], mask)
+  mu_NHF = jax.lax.stop_gradient(jnp.max(log_k, axis=1))
+  k_hat = _exp_times(log_k, _finite_or_zero(mu_NHF)[:, None], mult_k)
+  return RecurrentState(mu_NHF, jnp.einsum("nlhf,nlhe->nhfe", k_hat, _with_ones(v)))
+
+
+def exclusive_prefix(state: "RecurrentState", axis_name) -> "RecurrentState":
+  """The state of every key on the devices before this one along ``axis_name`` (inside ``shard_map``).
+
+  One ``all_gather`` of [devices, N, H, F, Dv+1] states, then the rescaled-sum
+  monoid over the earlier devices' states only: no device reads a later one.
+  """
+  mu_P, s_P = jax.lax.all_gather((state.mu, state.s), axis_name)
+  earlier_P = jnp.arange(mu_P.shape[0]) < jax.lax.axis_index(axis_name)
+  mu_P = jnp.where(earlier_P.reshape((-1,) + (1,) * (mu_P.ndim - 1)), jax.lax.stop_gradient(mu_P), NEG_INF)
+  mu = jnp.max(mu_P, axis=0)
+  weight_P = jnp.exp(mu_P - _finite_or_zero(mu))  # 0 for later devices (μ = −∞)
+  return RecurrentState(mu, jnp.sum(s_P * weight_P[..., None], axis=0))
 
 
 def _prefix_readout(log_q, mult_q, mu, s):

@@ -13,12 +13,17 @@ Variables besides ``params``:
 
 from __future__ import annotations
 
+from typing import Callable
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax import Array
+from jax.sharding import Mesh
 
 from favor_jax import core
 from favor_jax import layers
+from favor_jax import parallel
 
 __all__ = ["FavorAttention", "redraw"]
 
@@ -64,6 +69,10 @@ class FavorAttention(nn.MultiHeadDotProductAttention):
   causal: bool = False
   chunk_size: int = 64
   rho_momentum: float = 0.99
+  qk_transform: Callable[[Array, Array], tuple[Array, Array]] | None = None
+  mesh: Mesh | None = None
+  sequence_axis: str | None = None
+  batch_axis: str | None = None
 
   def _check_config(self):
     if self.attention_fn is not nn.dot_product_attention:
@@ -77,6 +86,13 @@ class FavorAttention(nn.MultiHeadDotProductAttention):
     core.get_kernel(self.kernel)
     if self.decode and not self.causal:
       raise ValueError("decode=True needs causal=True: decoding is autoregressive")
+    if (self.mesh is None) != (self.sequence_axis is None):
+      raise ValueError("sequence-parallel attention needs both mesh and sequence_axis (or neither)")
+    if self.decode and self.sequence_axis is not None:
+      raise ValueError("decode=True is token by token; it cannot be sequence-parallel (drop sequence_axis)")
+    if self.decode and self.qk_transform is not None:
+      raise ValueError("qk_transform with decode=True is not supported: the transform does not see "
+                       "the positions of decoded tokens")
 
   @nn.compact
   def __call__(self, inputs_q, inputs_k=None, inputs_v=None, *, mask=None, deterministic=None,
@@ -101,6 +117,8 @@ class FavorAttention(nn.MultiHeadDotProductAttention):
     if self.normalize_qk:
       ln = lambda name: nn.LayerNorm(name=name, use_bias=False, dtype=self.dtype, param_dtype=self.param_dtype)
       query, key = ln("query_ln")(query), ln("key_ln")(key)
+    if self.qk_transform is not None:
+      query, key = self.qk_transform(query, key)
 
     projection = self.variable(
         "favor", "projection",
@@ -120,6 +138,12 @@ class FavorAttention(nn.MultiHeadDotProductAttention):
     with layers.precision_scope(self.precision):
       if self.decode:
         x = self._decode(query, key, value, projection.value, attend)
+      elif self.sequence_axis is not None:
+        if rho is None and getattr(core.get_kernel(self.kernel), "data_dependent", False):
+          rho = core.oprf_rho(query, key, key_mask)  # the global statistic (XLA inserts the reduction)
+        x = parallel.sequence_parallel_attention(
+            query, key, value, projection.value, mesh=self.mesh, axis_name=self.sequence_axis,
+            batch_axis=self.batch_axis, causal=self.causal, **{**attend, "rho": rho})
       else:
         x = core.favor_attention(query, key, value, projection.value, causal=self.causal, **attend)
     return nn.DenseGeneral(

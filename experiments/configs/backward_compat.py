@@ -1,0 +1,36 @@
+"""Backward compatibility (Performer paper §4.2): train softmax, swap FAVOR in with the same weights, fine-tune.
+
+    python -m experiments.main --config=experiments/configs/backward_compat.py --workdir=workdir/backward_compat
+    python -m experiments.main --config=experiments/configs/backward_compat.py --workdir=/tmp/b --config.quick=True
+"""
+
+import ml_collections
+
+from experiments.configs import shakespeare
+
+
+def get_config():
+  config = shakespeare.get_config()  # the same task, data and model as the Shakespeare experiment
+  config.experiment = "backward_compat"  # experiments.main runs experiments.backward_compat
+  config.config_name = "backward_compat"  # this file (for apply_quick)
+  config.train.steps = 3000  # softmax pretraining steps
+  config.attention.type = "favor"  # the attention swapped in (variants override the kernel)
+  config.finetune = ml_collections.ConfigDict()
+  config.finetune.steps = 500  # fine-tune steps after the swap
+  config.finetune.lr = 3e-4  # peak fine-tune learning rate
+  config.finetune.warmup_steps = 20  # fine-tune warmup steps
+  config.finetune.eval_every = 50  # fine-tune steps between evaluations (step 0 = right after the swap)
+  # Each variant fine-tunes from the pretrained softmax weights; "softmax_control" keeps softmax attention.
+  config.variants = (("favor_positive", {}), ("favor_relu", {"attention.kernel": "relu"}),
+                     ("softmax_control", {"attention.type": "softmax"}))
+  return config
+
+
+def apply_quick(config):
+  """CPU size: the Shakespeare quick model, 600 pretraining steps, 150 fine-tune steps."""
+  config = shakespeare.apply_quick(config)
+  config.finetune.steps = 150
+  config.finetune.lr = 1e-3
+  config.finetune.eval_every = 25
+  config.only = "favor_positive,softmax_control"  # a subset of the variants (overridable)
+  return config

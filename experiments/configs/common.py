@@ -1,0 +1,69 @@
+"""Fields every training config shares (model, attention, optimiser, logging); each config overrides some."""
+
+import ml_collections
+
+
+def set_fields(config, fields: dict, what: str = "override"):
+  """Sets dotted fields (``{"train.lr": 1e-3}``) in place; a name that is not a field raises."""
+  for field, value in dict(fields).items():
+    parent, _, leaf = field.rpartition(".")
+    node = config
+    for part in filter(None, parent.split(".")):
+      if part not in node:
+        raise ValueError(f"{what} {field!r} is not a config field")
+      node = node[part]
+    if leaf not in node:
+      raise ValueError(f"{what} {field!r} is not a config field")
+    node[leaf] = value
+  return config
+
+
+def training_config(name: str, task: str) -> ml_collections.ConfigDict:
+  config = ml_collections.ConfigDict()
+  config.experiment = "train"  # experiments.main runs experiments.sweep: one training run per variant
+  config.config_name = name  # the config file's module (experiments.configs.NAME), for apply_quick
+  config.task = task  # experiments.tasks: "mqar", "listops" or "shakespeare"
+  config.quick = False  # True: the config's apply_quick() smoke size (seconds to a few minutes on a CPU)
+  config.data = ml_collections.ConfigDict()  # the task's own fields (see the config file)
+
+  config.model = ml_collections.ConfigDict()
+  config.model.d_model = 128  # residual width
+  config.model.num_layers = 2  # pre-norm Transformer blocks
+  config.model.num_heads = 4  # attention heads; head dim = d_model / num_heads
+  config.model.mlp_dim = 256  # hidden width of each block's GELU MLP
+  config.model.positions = "rotary"  # "learned" (absolute embeddings) or "rotary" (applied to q, k)
+
+  config.attention = ml_collections.ConfigDict()
+  config.attention.type = "softmax"  # "softmax" (Flax's attention) or "favor" (favor_jax FavorAttention)
+  config.attention.kernel = "positive"  # FAVOR feature map, a name in favor_jax.core.KERNELS
+  config.attention.num_features = 64  # M random features per head
+  config.attention.projection = "orthogonal"  # "iid", "orthogonal" or "simplex"
+  config.attention.redraw_every = 0  # draw a new projection every this many steps (0 = never)
+  config.attention.chunk_size = 64  # causal FAVOR: tokens per chunk of the chunked prefix sum
+
+  config.train = ml_collections.ConfigDict()
+  config.train.seed = 0  # parameters, projection draws and the data stream
+  config.train.steps = 1000  # optimiser steps
+  config.train.batch_size = 32  # sequences per step
+  config.train.lr = 1e-3  # peak AdamW learning rate
+  config.train.warmup_steps = 100  # linear warmup from 0, then cosine decay
+  config.train.final_lr_fraction = 0.1  # learning rate at the last step, as a fraction of lr
+  config.train.b1 = 0.9  # AdamW β1
+  config.train.b2 = 0.98  # AdamW β2
+  config.train.weight_decay = 0.01  # AdamW decoupled weight decay
+  config.train.clip_norm = 1.0  # global gradient-norm clip (0 = off)
+  config.train.log_every = 50  # steps between train-loss records (mean over the window)
+  config.train.eval_every = 200  # steps between evaluations on the held-out set
+  config.train.checkpoint_every = 200  # steps between orbax checkpoints (resume from the latest)
+  config.train.stop_after = 0  # stop (with a checkpoint) after this step, e.g. a preemptible job; 0 = train.steps
+
+  config.mesh = ml_collections.ConfigDict()
+  config.mesh.data = 1  # devices on the "data" axis: the batch is split over them
+  config.mesh.sequence = 1  # devices on the "sequence" axis: FAVOR layers split the sequence over them
+  config.mesh.fsdp = False  # also split parameters and optimiser state over "data" (for large models)
+  config.mesh.distributed = False  # call jax.distributed.initialize() first (multi-host launches)
+
+  # Sweep: (name, {dotted field: value}) per run, each in workdir/name; () = one run named "run".
+  config.variants = ()
+  config.only = ""  # comma-separated variant names to run (empty = all)
+  return config

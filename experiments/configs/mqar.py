@@ -1,0 +1,42 @@
+"""Multi-query associative recall (Zoology): softmax vs FAVOR kernels at M ∈ {64, 256}, with and without redraw.
+
+    python -m experiments.main --config=experiments/configs/mqar.py --workdir=workdir/mqar
+    python -m experiments.main --config=experiments/configs/mqar.py --workdir=/tmp/m --config.quick=True
+"""
+
+from experiments.configs.common import training_config
+
+
+def get_config():
+  config = training_config("mqar", "mqar")
+  config.data.seq_len = 128  # L: tokens per sequence
+  config.data.num_kv_pairs = 8  # N: key-value pairs, each queried once
+  config.data.vocab_size = 256  # keys from [1, 128), values from [128, 256)
+  config.data.power_a = 0.01  # query-gap power law exponent (Zoology's default)
+  config.data.random_non_queries = True  # filler positions get random tokens (Zoology's default)
+  config.data.num_eval_batches = 8  # held-out batches (of train.batch_size) per evaluation
+  config.model.d_model = 64  # residual width
+  config.model.num_heads = 2  # heads (head dim 32)
+  config.model.mlp_dim = 128  # MLP width
+  config.train.steps = 1500  # optimiser steps (softmax's jump from ~10% to ~100% comes late and varies)
+  config.train.batch_size = 64  # sequences per step
+  config.train.lr = 3e-3  # peak learning rate
+  config.train.eval_every = 250  # steps between evaluations
+  config.train.checkpoint_every = 500  # steps between checkpoints
+  favor = lambda kernel, m, redraw: {"attention.type": "favor", "attention.kernel": kernel,
+                                     "attention.num_features": m, "attention.redraw_every": redraw}
+  config.variants = (("softmax", {}),) + tuple(
+      (f"{kernel}_m{m}" + (f"_redraw{redraw}" if redraw else ""), favor(kernel, m, redraw))
+      for kernel in ("positive", "hyperbolic", "relu") for m in (64, 256) for redraw in (0, 100)
+      if kernel == "positive" or (m, redraw) == (64, 0))  # the M and redraw ablations on FAVOR+
+  return config
+
+
+def apply_quick(config):
+  """Smoke size: a few hundred steps of two variants."""
+  config.train.steps = 200
+  config.train.eval_every = 100
+  config.train.checkpoint_every = 100
+  config.data.num_eval_batches = 2
+  config.only = "softmax,positive_m64"  # a subset of the variants (still overridable with --config.only)
+  return config

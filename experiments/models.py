@@ -1,0 +1,143 @@
+"""A small pre-norm Transformer (Linen) whose attention comes from the config: softmax or FAVOR.
+
+Softmax uses ``flax.linen.MultiHeadDotProductAttention``; FAVOR uses
+``favor_jax.layers.linen.FavorAttention``, a subclass with the same parameter
+tree, so a softmax model's ``params`` load unchanged into a FAVOR model (the
+backward-compatibility experiment relies on it). The FAVOR projection lives in
+the ``favor`` collection.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import flax.linen as nn
+import jax.numpy as jnp
+from jax import Array
+from jax.sharding import Mesh
+from jaxtyping import Float, Int
+
+from favor_jax.layers import linen as favor_linen
+
+ATTENTION_TYPES = ("softmax", "favor")
+POSITIONS = ("learned", "rotary")
+
+
+class AttentionSpec(NamedTuple):
+  """The config's ``attention`` fields the model reads (hashable, unlike a ConfigDict)."""
+  type: str
+  kernel: str
+  num_features: int
+  projection: str
+  chunk_size: int
+  mesh: Mesh | None = None  # with sequence parallelism: the training mesh ...
+  sequence_axis: str | None = None  # ... its axis splitting the sequence in FAVOR layers
+  batch_axis: str | None = None  # ... and its axis splitting the batch
+
+
+def rotary(x_BLHD: Float[Array, "B L H D"], base: float = 10000.0) -> Float[Array, "B L H D"]:
+  """Rotary position embedding (Su et al. 2021): rotates feature pairs (i, i + D/2) by angle t·base^(-2i/D)."""
+  length, dim = x_BLHD.shape[-3], x_BLHD.shape[-1]
+  half = dim // 2
+  inv_freq_F = base ** (-jnp.arange(half, dtype=jnp.float32) / half)
+  angle_LF = jnp.arange(length, dtype=jnp.float32)[:, None] * inv_freq_F
+  cos_L1F, sin_L1F = jnp.cos(angle_LF)[:, None, :], jnp.sin(angle_LF)[:, None, :]
+  x1, x2 = x_BLHD[..., :half].astype(jnp.float32), x_BLHD[..., half:2 * half].astype(jnp.float32)
+  rotated = jnp.concatenate([x1 * cos_L1F - x2 * sin_L1F, x1 * sin_L1F + x2 * cos_L1F, x_BLHD[..., 2 * half:]], -1)
+  return rotated.astype(x_BLHD.dtype)
+
+
+def _rotary_qk(query, key):
+  return rotary(query), rotary(key)
+
+
+def _rotary_softmax(query, key, value, mask=None, dropout_rng=None, dropout_rate=0.0, broadcast_dropout=True,
+                    deterministic=False, dtype=None, precision=None, force_fp32_for_softmax=False):
+  # Named arguments, not **kwargs: Flax passes an attention_fn only the keywords its signature names.
+  return nn.dot_product_attention(
+      rotary(query), rotary(key), value, mask=mask, dropout_rng=dropout_rng, dropout_rate=dropout_rate,
+      broadcast_dropout=broadcast_dropout, deterministic=deterministic, dtype=dtype, precision=precision,
+      force_fp32_for_softmax=force_fp32_for_softmax)
+
+
+def attention_layer(attention, num_heads: int, causal: bool, positions: str, name: str) -> nn.Module:
+  """The attention module named by ``attention.type`` ("softmax" or "favor")."""
+  rope = positions == "rotary"
+  if attention.type == "softmax":
+    return nn.MultiHeadDotProductAttention(
+        num_heads=num_heads, attention_fn=_rotary_softmax if rope else nn.dot_product_attention, name=name)
+  return favor_linen.FavorAttention(
+      num_heads=num_heads, num_features=attention.num_features, kernel=attention.kernel,
+      projection=attention.projection, causal=causal, chunk_size=attention.chunk_size,
+      qk_transform=_rotary_qk if rope else None, mesh=attention.mesh, sequence_axis=attention.sequence_axis,
+      batch_axis=attention.batch_axis, name=name)
+
+
+class Block(nn.Module):
+  attention: AttentionSpec
+  num_heads: int
+  mlp_dim: int
+  causal: bool
+  positions: str
+
+  @nn.compact
+  def __call__(self, x_BLD, mask, train: bool):
+    attend = attention_layer(self.attention, self.num_heads, self.causal, self.positions, "attention")
+    x_BLD = x_BLD + attend(nn.LayerNorm(name="ln_attention")(x_BLD), mask=mask, deterministic=not train)
+    h_BLF = nn.gelu(nn.Dense(self.mlp_dim, name="mlp_in")(nn.LayerNorm(name="ln_mlp")(x_BLD)))
+    return x_BLD + nn.Dense(x_BLD.shape[-1], name="mlp_out")(h_BLF)
+
+
+class Transformer(nn.Module):
+  """Causal LM (``num_classes == 0``: logits [B, L, vocab]) or encoder classifier (logits [B, classes]).
+
+  The classifier mean-pools the non-padding positions (token 0 is padding).
+  ``train=True`` lets causal FAVOR++ layers update their running ρ (``favor``
+  collection mutable); there is no dropout.
+  """
+  vocab_size: int
+  num_classes: int
+  max_len: int
+  d_model: int
+  num_layers: int
+  num_heads: int
+  mlp_dim: int
+  positions: str
+  attention: AttentionSpec
+
+  @nn.compact
+  def __call__(self, tokens_BL: Int[Array, "B L"], train: bool = False) -> Array:
+    causal = self.num_classes == 0
+    length = tokens_BL.shape[-1]
+    if length > self.max_len:
+      raise ValueError(f"tokens has length {length}, more than the model's max_len {self.max_len}")
+    x_BLD = nn.Embed(self.vocab_size, self.d_model, name="embed")(tokens_BL)
+    if self.positions == "learned":
+      x_BLD = x_BLD + nn.Embed(self.max_len, self.d_model, name="position")(jnp.arange(length))
+    pad_BL = tokens_BL != 0
+    if causal:  # LM: no padding; softmax needs an explicit causal mask, FAVOR is built causal
+      mask = nn.make_causal_mask(tokens_BL) if self.attention.type == "softmax" else None
+    else:  # classifier: remove padding keys for every query (the only mask FAVOR can honour)
+      mask = pad_BL[:, None, None, :]
+    block = functools.partial(Block, self.attention, self.num_heads, self.mlp_dim, causal, self.positions)
+    for i in range(self.num_layers):
+      x_BLD = block(name=f"block_{i}")(x_BLD, mask, train)
+    x_BLD = nn.LayerNorm(name="ln_final")(x_BLD)
+    if causal:
+      return nn.Dense(self.vocab_size, name="head")(x_BLD)
+    weights_BL1 = pad_BL[..., None].astype(x_BLD.dtype)
+    pooled_BD = (x_BLD * weights_BL1).sum(-2) / jnp.maximum(weights_BL1.sum(-2), 1.0)
+    return nn.Dense(self.num_classes, name="head")(pooled_BD)
+
+
+def make_model(config, vocab_size: int, num_classes: int, max_len: int, mesh: Mesh | None = None) -> Transformer:
+  """The config's model; FAVOR layers run sequence-parallel over ``mesh``'s "sequence" axis if it has > 1 device."""
+  m, a = config.model, config.attention
+  parallel = mesh is not None and mesh.shape.get("sequence", 1) > 1
+  return Transformer(vocab_size=vocab_size, num_classes=num_classes, max_len=max_len, d_model=m.d_model,
+                     num_layers=m.num_layers, num_heads=m.num_heads, mlp_dim=m.mlp_dim,
+                     positions=m.positions, attention=AttentionSpec(
+                         type=a.type, kernel=a.kernel, num_features=a.num_features,
+                         projection=a.projection, chunk_size=a.chunk_size, mesh=mesh if parallel else None,
+                         sequence_axis="sequence" if parallel else None, batch_axis="data" if parallel else None))

@@ -1,0 +1,55 @@
+"""Training tasks: generated (MQAR, ListOps) or real text (Shakespeare), each a :class:`Task`.
+
+Every batch is a pure function of the config's seed and its position in the
+stream, so a run resumed from a checkpoint (which stores the position) sees
+exactly the batches an uninterrupted run would.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Callable, NamedTuple
+
+import numpy as np
+
+TASKS = ("mqar", "listops", "shakespeare")
+
+
+class Batch(NamedTuple):
+  tokens: np.ndarray  # [B, L] int32 model inputs (0 = padding for classifiers)
+  targets: np.ndarray  # [B, L] next tokens (LM) or [B] class labels
+  weights: np.ndarray  # same shape as targets: 1 where the loss counts, else 0
+
+
+class Task(NamedTuple):
+  name: str
+  vocab_size: int
+  num_classes: int  # 0: causal language model; else an encoder classifier over this many classes
+  metric: str  # the headline evaluation metric: "eval_accuracy" or "eval_bpc"
+  max_len: int
+  train_batch: Callable[[int], Batch]  # position in the training stream -> batch
+  eval_batches: list[Batch]  # the fixed held-out set
+
+
+def stream_rng(seed: int, stream: int, position: int) -> np.random.Generator:
+  """An independent generator for (seed, stream, position): 0 = training batches, 1 = evaluation."""
+  return np.random.default_rng([seed, stream, position])
+
+
+def make_task(config) -> Task:
+  if config.task not in TASKS:
+    raise ValueError(f"task must be one of {TASKS}, got {config.task!r}")
+  return importlib.import_module(f"experiments.tasks.{config.task}").make_task(
+      config.data, batch_size=config.train.batch_size, seed=config.train.seed)
+
+
+def check_data(config) -> None:
+  """Rejects bad ``config.data`` values with a message naming the field (before anything is built)."""
+  if config.task not in TASKS:
+    raise ValueError(f"task must be one of {TASKS}, got {config.task!r}")
+  importlib.import_module(f"experiments.tasks.{config.task}").check_data(config.data)
+
+
+def positive_int(name: str, value) -> None:
+  if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+    raise ValueError(f"{name} must be a positive int, got {value!r}")

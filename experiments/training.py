@@ -1,0 +1,294 @@
+"""One training run: optax from the config, a jitted pure train step, evaluation, metrics and checkpoints.
+
+Resuming is exact: the checkpoint holds the whole :class:`TrainState` (params,
+optimizer state, FAVOR projections and running statistics, step, data
+position, the metric sums of the current logging window), batches are a pure
+function of their position, and redraws a pure function of the step; so
+rerunning the same command after a kill writes the same ``metrics.jsonl``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from experiments import models, tasks
+from favor_jax import core, layers
+from favor_jax.layers import linen as favor_linen
+
+TIMING_FIELDS = ("elapsed_s", "steps_per_s")  # the only metrics that differ between identical runs
+
+
+class TrainState(NamedTuple):
+  step: Any  # int32 []: optimizer steps taken
+  data_position: Any  # int32 []: training batches consumed
+  params: Any
+  favor: Any  # FAVOR projections and running statistics ({} for softmax)
+  opt_state: Any
+  sums_3: Any  # f32 [3]: Σ w·loss, Σ w·correct, Σ w over the current logging window
+  nonfinite_step: Any  # int32 []: first step whose loss was not finite, -1 if none
+
+
+def _check(ok: bool, message: str) -> None:
+  if not ok:
+    raise ValueError(message)
+
+
+def check_config(config) -> None:
+  """Rejects bad values with a message naming the field, before any data or compilation."""
+  a, m, t = config.attention, config.model, config.train
+  _check(a.type in models.ATTENTION_TYPES, f"attention.type must be one of {models.ATTENTION_TYPES}, got {a.type!r}")
+  for name, value in (("model.d_model", m.d_model), ("model.num_layers", m.num_layers),
+                      ("model.num_heads", m.num_heads), ("model.mlp_dim", m.mlp_dim),
+                      ("train.steps", t.steps), ("train.batch_size", t.batch_size),
+                      ("train.log_every", t.log_every), ("train.eval_every", t.eval_every),
+                      ("train.checkpoint_every", t.checkpoint_every)):
+    tasks.positive_int(name, value)
+  _check(m.positions in models.POSITIONS, f"model.positions must be one of {models.POSITIONS}, got {m.positions!r}")
+  _check(m.d_model % m.num_heads == 0, f"model.d_model {m.d_model} must be divisible by model.num_heads {m.num_heads}")
+  _check(m.positions != "rotary" or (m.d_model // m.num_heads) % 2 == 0, "rotary positions need an even head dim")
+  _check(t.lr > 0, f"train.lr must be > 0, got {t.lr}")
+  _check(isinstance(t.warmup_steps, int) and 0 <= t.warmup_steps < t.steps,
+         f"train.warmup_steps must be an int in [0, train.steps={t.steps}), got {t.warmup_steps!r}")
+  _check(t.clip_norm >= 0 and t.weight_decay >= 0, "train.clip_norm and train.weight_decay must be >= 0")
+  _check(isinstance(a.redraw_every, int) and a.redraw_every >= 0,
+         f"attention.redraw_every must be a non-negative int (0 = never), got {a.redraw_every!r}")
+  if a.type == "favor":
+    _check(a.kernel in core.KERNELS, f"attention.kernel must be one of {sorted(core.KERNELS)}, got {a.kernel!r}")
+    _check(a.projection in layers.PROJECTIONS,
+           f"attention.projection must be one of {layers.PROJECTIONS}, got {a.projection!r}")
+    tasks.positive_int("attention.num_features", a.num_features)
+    tasks.positive_int("attention.chunk_size", a.chunk_size)
+  else:
+    _check(a.redraw_every == 0, f"attention.redraw_every={a.redraw_every} has no meaning for softmax attention")
+  mesh = config.mesh
+  for name in ("data", "sequence"):
+    tasks.positive_int(f"mesh.{name}", mesh[name])
+  _check(t.batch_size % mesh.data == 0, f"train.batch_size {t.batch_size} must be divisible by mesh.data {mesh.data}")
+  _check(mesh.sequence == 1 or a.type == "favor",
+         f"mesh.sequence={mesh.sequence} (sequence parallelism) needs attention.type='favor', got {a.type!r}")
+  _check(isinstance(t.stop_after, int) and 0 <= t.stop_after <= t.steps,
+         f"train.stop_after must be an int in [0, train.steps={t.steps}] (0 = run to the end), got {t.stop_after!r}")
+  tasks.check_data(config)
+
+
+def make_mesh(m) -> Mesh:
+  """A ("data", "sequence") mesh over the first data·sequence devices; checked against what exists."""
+  needed = m.data * m.sequence
+  if needed > jax.device_count():
+    raise ValueError(f"mesh.data × mesh.sequence = {needed} devices, but only {jax.device_count()} exist")
+  devices = np.asarray(jax.devices()[:needed]).reshape(m.data, m.sequence)
+  return Mesh(devices, ("data", "sequence"), axis_types=(AxisType.Auto, AxisType.Auto))
+
+
+def state_shardings(state, mesh: Mesh, fsdp: bool):
+  """Replicated leaves, or (``fsdp``) each leaf split over "data" along its largest divisible axis."""
+  data = mesh.shape["data"]
+
+  def spec(x):
+    shape = np.shape(x)
+    if fsdp and data > 1:
+      for axis in sorted(range(len(shape)), key=lambda i: -shape[i]):
+        if shape[axis] % data == 0:
+          return NamedSharding(mesh, P(*([None] * axis + ["data"])))
+    return NamedSharding(mesh, P())
+
+  return jax.tree.map(spec, state)
+
+
+def put_batch(batch: tasks.Batch, mesh: Mesh) -> tasks.Batch:
+  """The global batch as arrays sharded over "data" (each process supplies the shards it holds)."""
+  def put(x):
+    sharding = NamedSharding(mesh, P("data"))
+    return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
+  return tasks.Batch(*map(put, batch))
+
+
+def make_optimizer(t) -> optax.GradientTransformation:
+  """AdamW with linear warmup then cosine decay to ``final_lr_fraction``·lr, after global-norm clipping."""
+  clip = optax.clip_by_global_norm(t.clip_norm) if t.clip_norm > 0 else optax.identity()
+  return optax.chain(clip, optax.adamw(make_lr(t), b1=t.b1, b2=t.b2, weight_decay=t.weight_decay))
+
+
+def make_lr(t) -> optax.Schedule:
+  """Linear warmup from lr/warmup_steps (not 0: the first step must move) to lr, then cosine decay."""
+  start = t.lr / max(t.warmup_steps, 1)
+  return optax.warmup_cosine_decay_schedule(start, t.lr, t.warmup_steps, t.steps, t.lr * t.final_lr_fraction)
+
+
+def metric_sums(logits, batch) -> jax.Array:
+  """[Σ w·cross-entropy, Σ w·[argmax correct], Σ w] in f32."""
+  ce = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), batch.targets)
+  correct = (jnp.argmax(logits, -1) == batch.targets).astype(jnp.float32)
+  w = batch.weights
+  return jnp.stack([(ce * w).sum(), (correct * w).sum(), w.sum()])
+
+
+def init_state(config, model, task, optimizer, params=None) -> TrainState:
+  """A fresh state; ``params`` (e.g. a softmax model's) replace the initial ones when given."""
+  init_key = jax.random.PRNGKey(config.train.seed)
+  variables = model.init(init_key, jnp.zeros((1, task.max_len), jnp.int32))
+  if params is not None:
+    if jax.tree.structure(params) != jax.tree.structure(variables["params"]):
+      raise ValueError("params do not match the model's parameter tree")
+    variables = {**variables, "params": params}
+  return TrainState(jnp.int32(0), jnp.int32(0), variables["params"], variables.get("favor", {}),
+                    optimizer.init(variables["params"]), jnp.zeros(3, jnp.float32), jnp.int32(-1))
+
+
+def make_train_step(model, optimizer, redraw_every: int, redraw_key, shardings=None):
+  """The jitted step; ``shardings`` = (state shardings, batch sharding) pins the layout on a mesh."""
+  def train_step(state: TrainState, batch: tasks.Batch):
+    favor = state.favor
+    if favor:  # a new projection before the steps where the schedule says so (pure in the step)
+      due = layers.redraw_due(state.step, redraw_every)
+      favor = favor_linen.redraw({"favor": favor}, jax.random.fold_in(redraw_key, state.step), due)["favor"]
+
+    def loss_fn(params):
+      logits, updated = model.apply({"params": params, "favor": favor}, batch.tokens, train=True,
+                                    mutable=["favor"])
+      sums = metric_sums(logits, batch)
+      return sums[0] / jnp.maximum(sums[2], 1.0), (sums, updated.get("favor", favor))
+
+    (loss, (sums, favor)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+    nonfinite = (state.nonfinite_step < 0) & ~jnp.isfinite(loss)
+    return TrainState(state.step + 1, state.data_position + 1, optax.apply_updates(state.params, updates),
+                      favor, opt_state, state.sums_3 + sums,
+                      jnp.where(nonfinite, state.step + 1, state.nonfinite_step))
+
+  if shardings is None:
+    return jax.jit(train_step)
+  return jax.jit(train_step, in_shardings=shardings, out_shardings=shardings[0])
+
+
+def make_eval(model, task, mesh: Mesh):
+  @jax.jit
+  def eval_sums(params, favor, batch):
+    return metric_sums(model.apply({"params": params, "favor": favor}, batch.tokens), batch)
+
+  data = mesh.shape["data"]
+  # Evaluation batches the data axis does not divide (a short last batch) run replicated.
+  put = lambda b: put_batch(b, mesh) if len(b.tokens) % data == 0 else b
+
+  def evaluate(state: TrainState) -> dict:
+    total = sum(np.asarray(eval_sums(state.params, state.favor, put(b)), np.float64) for b in task.eval_batches)
+    out = dict(eval_loss=total[0] / total[2], eval_accuracy=total[1] / total[2])
+    if task.metric == "eval_bpc":
+      out["eval_bpc"] = out["eval_loss"] / math.log(2)
+    return out
+
+  return evaluate
+
+
+class MetricsLog:
+  """``metrics.jsonl``: one JSON record per line; on resume, records after the restored step are dropped."""
+
+  def __init__(self, path: str, keep_through: int):
+    self.path, self.records = path, []
+    if os.path.exists(path):
+      with open(path) as f:
+        for line in f:
+          try:
+            record = json.loads(line)
+          except json.JSONDecodeError:  # a line cut short by a kill
+            continue
+          if record["step"] <= keep_through:
+            self.records.append(record)
+    with open(path, "w") as f:
+      f.writelines(json.dumps(r) + "\n" for r in self.records)
+    self.writer = _tensorboard(os.path.dirname(path))
+
+  def write(self, record: dict) -> None:
+    self.records.append(record)
+    if jax.process_index() != 0:  # multi-host: every process computes the metrics, one writes them
+      return
+    with open(self.path, "a") as f:
+      f.write(json.dumps(record) + "\n")
+    if self.writer is not None:
+      for k, v in record.items():
+        if k != "step" and isinstance(v, float):
+          self.writer.add_scalar(k, v, record["step"])
+
+
+def _tensorboard(logdir):
+  try:
+    from tensorboardX import SummaryWriter  # optional
+  except ImportError:
+    return None
+  return SummaryWriter(logdir)
+
+
+def bar(step: int, total: int, rate: float, width: int = 24) -> str:
+  done = int(width * step / total)
+  eta = (total - step) / rate if rate > 0 else float("nan")
+  return f"[{'#' * done}{'.' * (width - done)}] {step}/{total} {rate:.2f} steps/s ETA {eta:.0f}s"
+
+
+def _raise_if_nonfinite(state: TrainState) -> None:
+  bad = int(state.nonfinite_step)
+  if bad >= 0:
+    raise FloatingPointError(f"non-finite loss at step {bad}: stopping (lower train.lr, check the inputs, "
+                             "or use train.clip_norm > 0)")
+
+
+def train(config, workdir: str, progress=print, init_params=None) -> tuple[list[dict], TrainState]:
+  """Trains (or resumes) one configuration in ``workdir``; returns the metric records and the final state.
+
+  On ``make_mesh(config.mesh)``: the batch is split over "data", the state is
+  replicated (or FSDP-split over "data"), FAVOR layers split the sequence over
+  "sequence". A checkpoint restores onto any mesh (orbax reshards it).
+  """
+  check_config(config)
+  t = config.train
+  end = t.stop_after or t.steps
+  os.makedirs(workdir, exist_ok=True)
+  mesh = make_mesh(config.mesh)
+  task = tasks.make_task(config)
+  model = models.make_model(config, task.vocab_size, task.num_classes, task.max_len, mesh)
+  optimizer = make_optimizer(t)
+  state = init_state(config, model, task, optimizer, init_params)
+  shardings = state_shardings(state, mesh, config.mesh.fsdp)
+  state = jax.device_put(state, shardings)
+  checkpoints = ocp.CheckpointManager(os.path.abspath(os.path.join(workdir, "checkpoints")),
+                                      options=ocp.CheckpointManagerOptions(max_to_keep=2))
+  if checkpoints.latest_step() is not None:
+    state = checkpoints.restore(checkpoints.latest_step(), args=ocp.args.StandardRestore(state))
+    progress(f"resumed from the checkpoint at step {int(state.step)}")
+  step, position = int(state.step), int(state.data_position)
+  log = MetricsLog(os.path.join(workdir, "metrics.jsonl"), keep_through=step)
+  train_step = make_train_step(model, optimizer, config.attention.redraw_every, jax.random.PRNGKey(t.seed + 1),
+                               (shardings, NamedSharding(mesh, P("data"))))  # redraws: a key of their own
+  evaluate = make_eval(model, task, mesh)
+  if step == 0:
+    log.write(dict(kind="eval", step=0, **evaluate(state)))
+  start, start_step = time.time(), step
+  while step < end:
+    state = train_step(state, put_batch(task.train_batch(position), mesh))
+    step, position = step + 1, position + 1
+    timing = lambda: dict(elapsed_s=time.time() - start, steps_per_s=(step - start_step) / (time.time() - start))
+    if step % t.log_every == 0 or step == t.steps:
+      _raise_if_nonfinite(state)
+      sums = np.asarray(state.sums_3, np.float64)
+      state = state._replace(sums_3=jax.device_put(jnp.zeros(3, jnp.float32), shardings.sums_3))
+      log.write(dict(kind="train", step=step, train_loss=sums[0] / sums[2], train_accuracy=sums[1] / sums[2],
+                     lr=float(make_lr(t)(step - 1)), **timing()))
+      progress(f"{bar(step, t.steps, log.records[-1]['steps_per_s'])} loss {log.records[-1]['train_loss']:.4f}")
+    if step % t.eval_every == 0 or step == t.steps:
+      log.write(dict(kind="eval", step=step, **evaluate(state), **timing()))
+    if step % t.checkpoint_every == 0 or step == end:
+      _raise_if_nonfinite(state)
+      checkpoints.save(step, args=ocp.args.StandardSave(state))
+  checkpoints.wait_until_finished()
+  return log.records, state

@@ -1,0 +1,132 @@
+"""Sequence-parallel FAVOR attention on JAX's own machinery (``Mesh``, ``shard_map``, collectives).
+
+Queries, keys and values are split along the sequence over one mesh axis; no
+device ever holds the whole sequence, and communication is independent of L:
+
+- bidirectional: local feature sums, one ``pmax`` of the per-feature key
+  scales and one ``psum`` of Σφ(k)vᵀ and Σφ(k) — H·M·(Dv+2) numbers per example;
+- causal: each device summarises its keys into a constant-size state (μ, S),
+  one ``all_gather`` of those states (devices·H·M·(Dv+2) numbers per example),
+  an exclusive prefix over the *earlier* devices' states only (rescaled by the
+  running maximum, so no device sees a later device's keys), then the local
+  chunked causal pass starting from that prefix.
+
+Works under ``jit`` and ``grad`` (the collectives' transposes are collectives).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+from jaxtyping import Array, Bool, Float
+
+from favor_jax.core import attention as attention_lib
+from favor_jax.core import causal as causal_lib
+
+__all__ = ["sequence_parallel_attention", "communication_bytes"]
+
+
+def _check_axis(mesh: Mesh, axis_name: str) -> int:
+  if not isinstance(mesh, Mesh):
+    raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
+  if axis_name not in mesh.axis_names:
+    raise ValueError(f"axis_name {axis_name!r} is not an axis of the mesh; its axes are {mesh.axis_names}")
+  return mesh.shape[axis_name]
+
+
+def sequence_parallel_attention(
+    query: Float[Array, "... L H D"],
+    key: Float[Array, "... L H D"],
+    value: Float[Array, "... L H Dv"],
+    projection: Float[Array, "M D"] | None,
+    *,
+    mesh: Mesh,
+    axis_name: str,
+    batch_axis: str | None = None,
+    kernel="positive",
+    causal: bool = False,
+    key_mask: Bool[Array, "... L"] | None = None,
+    rho: Float[Array, "... H"] | None = None,
+    chunk_size: int = 64,
+) -> Float[Array, "... L H Dv"]:
+  """:func:`favor_attention` (same formula, kernels and stabiliser) with the sequence split over ``axis_name``.
+
+      out_t = Σ_j φ(q_t)ᵀφ(k_j) v_j / Σ_j φ(q_t)ᵀφ(k_j),  j over all unmasked keys (j ≤ t if ``causal``).
+
+  Self-attention layout: query, key and value share the length L. An L that
+  the axis size does not divide is padded at the end with masked keys (and the
+  padded rows dropped), which changes no output. The result is sharded along
+  L over ``axis_name`` (replicated when L had to be padded on a mesh with
+  explicit axes, which cannot shard such a length) and, with ``batch_axis``,
+  the flattened batch over that axis (when its size divides the batch; the
+  batch is replicated otherwise — the result is the same either way). FAVOR++
+  (``optimal_positive``) needs an explicit ``rho``: its batch statistic is a
+  mean over the whole sequence, which would be one more collective.
+  """
+  devices = _check_axis(mesh, axis_name)
+  if batch_axis is not None:
+    _check_axis(mesh, batch_axis)
+  attention_lib._validate(query, key, value, key_mask, causal)
+  if query.shape[-3] != key.shape[-3]:
+    raise ValueError(f"sequence-parallel attention needs query and key of one length; got query "
+                     f"{query.shape} and key {key.shape}")
+  kern, data_dependent = attention_lib._resolve_kernel(kernel, projection, rho, query)
+  if data_dependent and rho is None:
+    raise ValueError(f"kernel {kernel!r} needs an explicit rho [..., H] under sequence parallelism "
+                     "(e.g. favor_jax.core.oprf_rho(query, key) computed by the caller, or a running ρ)")
+  if not isinstance(chunk_size, int) or chunk_size <= 0:
+    raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+
+  batch, length = query.shape[:-3], query.shape[-3]
+  q, k, v = (attention_lib._flatten(x, batch) for x in (query, key, value))
+  mask = attention_lib._mask_NL(key_mask, key)
+  padded = -(-length // devices) * devices
+  if padded != length:
+    pad = lambda x, value=0: jnp.pad(x, [(0, 0), (0, padded - length)] + [(0, 0)] * (x.ndim - 2),
+                                     constant_values=value)
+    q, k, v, mask = pad(q), pad(k), pad(v), pad(mask, False)
+  rho_NH = attention_lib._flat_rho(rho, query)
+  # Row-local feature stabilisation only: a max over "all positions" would differ per device.
+  feature_fn = attention_lib._feature_fn(kern, projection, rho_NH, causal=True)
+
+  def local(q, k, v, mask):
+    v = v.astype(jnp.float32)
+    if causal:
+      prefix = causal_lib.exclusive_prefix(causal_lib.key_state(feature_fn, q, k, v, mask), axis_name)
+      num, den = causal_lib.chunked(feature_fn, q, k, v, mask, chunk_size=chunk_size, state=prefix)
+    else:
+      num, den = causal_lib.bidirectional(feature_fn, q, k, v, mask, axis_name=axis_name)
+    return attention_lib._divide(num, den)
+
+  if batch_axis is not None and q.shape[0] % mesh.shape[batch_axis]:
+    batch_axis = None  # a layout hint only: a batch the axis does not divide (e.g. at init) is replicated
+  seq = P(batch_axis, axis_name)
+  args = (q, k, v, mask)
+  explicit = jax.sharding.AxisType.Explicit in mesh.axis_types
+  if explicit:  # explicit meshes want inputs laid out as the specs say
+    args = [jax.reshard(x, NamedSharding(mesh, seq)) for x in args]
+  out = jax.shard_map(local, mesh=mesh, in_specs=(seq,) * 4, out_specs=seq)(*args)
+  if padded != length:
+    if explicit:  # an explicit sharding cannot describe a length the axis does not divide
+      out = jax.reshard(out, NamedSharding(mesh, P()))
+    out = out[:, :length]
+  return out.reshape(batch + out.shape[1:]).astype(attention_lib._out_dtype(query, key, value))
+
+
+def communication_bytes(batch: int, heads: int, num_features: int, value_dim: int, devices: int,
+                        causal: bool, bytes_per_number: int = 4) -> int:
+  """Bytes each device receives per forward call, from the shapes (independent of L).
+
+  Bidirectional: a ring all-reduce of Σφ(k)vᵀ, Σφ(k) and the key scales moves
+  2·(devices−1)/devices of their size. Causal: an all-gather of every other
+  device's (μ, S) state.
+  """
+  state = batch * heads * num_features * (value_dim + 2)  # S: [F, Dv+1] and μ: [F]
+  if causal:
+    return (devices - 1) * state * bytes_per_number
+  return math.ceil(2 * (devices - 1) / devices * state) * bytes_per_number
+

@@ -1,0 +1,142 @@
+"""Cases that need 8 devices; run by test_multidevice.py in a process of their own with 8 forced CPU devices.
+
+Not collected directly (the file name does not start with ``test_``), so the
+rest of the suite keeps one device.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType
+
+from favor_jax import core, parallel
+
+KERNELS = ("positive", "hyperbolic", "relu", "trigonometric")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _eight_devices():
+  if jax.device_count() != 8:
+    pytest.fail(f"run with XLA_FLAGS=--xla_force_host_platform_device_count=8 (have {jax.device_count()})")
+
+
+def _inputs(length=100, batch=2, heads=2, dim=16, features=32):
+  ks = jax.random.split(jax.random.PRNGKey(0), 5)
+  q = 0.5 * jax.random.normal(ks[0], (batch, length, heads, dim))
+  k = 0.5 * jax.random.normal(ks[1], (batch, length, heads, dim))
+  v = jax.random.normal(ks[2], (batch, length, heads, dim))
+  w = core.orthogonal_projection(ks[3], features, dim)
+  mask = jax.random.uniform(ks[4], (batch, length)) > 0.2
+  return q, k, v, w, mask
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("masked", [False, True], ids=["nomask", "mask"])
+@pytest.mark.parametrize("causal", [False, True], ids=["bidir", "causal"])
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_sequence_parallel_equals_single_device(kernel, causal, masked, jit):
+  q, k, v, w, mask = _inputs(length=100)  # 100: divisible by neither the 8 devices nor the chunk size 8
+  key_mask = mask if masked else None
+  mesh = jax.make_mesh((8,), ("seq",), axis_types=(AxisType.Auto,))
+  single = lambda q, k, v: core.favor_attention(q, k, v, w, kernel=kernel, causal=causal, key_mask=key_mask,
+                                                chunk_size=8)
+  split = lambda q, k, v: parallel.sequence_parallel_attention(
+      q, k, v, w, mesh=mesh, axis_name="seq", kernel=kernel, causal=causal, key_mask=key_mask, chunk_size=8)
+  split = jax.jit(split) if jit else split
+  np.testing.assert_allclose(split(q, k, v), single(q, k, v), atol=1e-5, rtol=1e-5)
+  loss = lambda f: lambda *x: jnp.sum(f(*x) ** 2)
+  g_split = jax.grad(loss(split), argnums=(0, 1, 2))(q, k, v)
+  g_single = jax.grad(loss(single), argnums=(0, 1, 2))(q, k, v)
+  for a, b in zip(g_split, g_single):
+    np.testing.assert_allclose(a, b, atol=1e-5 * float(jnp.abs(b).max()), rtol=1e-5)
+
+
+def test_sequence_parallel_on_an_explicit_mesh_with_batch_sharding():
+  q, k, v, w, _ = _inputs(length=64, batch=4)
+  mesh = jax.make_mesh((2, 4), ("data", "seq"), axis_types=(AxisType.Explicit,) * 2)
+  with jax.set_mesh(mesh):
+    out = jax.jit(lambda q, k, v: parallel.sequence_parallel_attention(
+        q, k, v, w, mesh=mesh, axis_name="seq", batch_axis="data", causal=True))(q, k, v)
+  np.testing.assert_allclose(out, core.favor_attention(q, k, v, w, causal=True), atol=1e-5, rtol=1e-5)
+  assert out.sharding.spec[:2] == ("data", "seq")
+
+
+def test_no_device_sees_a_later_devices_keys():
+  q, k, v, w, _ = _inputs(length=64)
+  mesh = jax.make_mesh((8,), ("seq",), axis_types=(AxisType.Auto,))
+  attend = jax.jit(lambda k: parallel.sequence_parallel_attention(q, k, v, w, mesh=mesh, axis_name="seq",
+                                                                  causal=True))
+  base = attend(k)
+  louder = attend(k.at[:, 60].multiply(100.0))  # a key on the last device, 100× larger
+  np.testing.assert_array_equal(base[:, :56], louder[:, :56])  # devices 0-6: bit-identical
+  grad_k = jax.grad(lambda k: jnp.sum(attend(k)[:, :56]))(k)
+  assert float(jnp.abs(grad_k[:, 56:]).max()) == 0.0
+
+
+def test_bad_mesh_axis_and_missing_rho_are_rejected():
+  q, k, v, w, _ = _inputs(length=16)
+  mesh = jax.make_mesh((8,), ("seq",), axis_types=(AxisType.Auto,))
+  with pytest.raises(ValueError, match="axis_name 'sequence' is not an axis of the mesh"):
+    parallel.sequence_parallel_attention(q, k, v, w, mesh=mesh, axis_name="sequence")
+  with pytest.raises(ValueError, match="needs an explicit rho"):
+    parallel.sequence_parallel_attention(q, k, v, w, mesh=mesh, axis_name="seq", kernel="optimal_positive")
+  rho = core.oprf_rho(q, k)
+  out = parallel.sequence_parallel_attention(q, k, v, w, mesh=mesh, axis_name="seq", kernel="optimal_positive",
+                                             rho=rho)
+  np.testing.assert_allclose(out, core.favor_attention(q, k, v, w, kernel="optimal_positive", rho=rho),
+                             atol=1e-5, rtol=1e-5)
+
+
+# --- data- and sequence-parallel training ------------------------------------------------------------
+
+
+def _train(tmp_path, name, *, data=1, sequence=1, fsdp=False, stop_after=0, attention="favor"):
+  from experiments import training
+  from experiments.configs import common, tiny
+  config = common.set_fields(tiny.get_config(), {
+      "attention.type": attention, "mesh.data": data, "mesh.sequence": sequence, "mesh.fsdp": fsdp,
+      "train.stop_after": stop_after, "train.log_every": 1})
+  records, _ = training.train(config, str(tmp_path / name), progress=lambda m: None)
+  return records
+
+
+def _losses(records):
+  return np.array([[r["step"], r.get("train_loss", r.get("eval_loss"))] for r in records])
+
+
+@pytest.mark.parametrize("data,sequence,fsdp", [(8, 1, False), (8, 1, True), (4, 2, False), (1, 8, False)])
+def test_training_on_8_devices_matches_1_device(tmp_path, data, sequence, fsdp):
+  one = _losses(_train(tmp_path, "one"))
+  eight = _losses(_train(tmp_path, "eight", data=data, sequence=sequence, fsdp=fsdp))
+  np.testing.assert_array_equal(one[:, 0], eight[:, 0])
+  np.testing.assert_allclose(eight[:, 1], one[:, 1], rtol=1e-5)
+
+
+@pytest.mark.parametrize("first,second", [(8, 1), (1, 8)])
+def test_checkpoint_moves_between_8_and_1_devices(tmp_path, first, second):
+  reference = _losses(_train(tmp_path, "reference"))
+  _train(tmp_path, "moved", data=first, stop_after=3)
+  moved = _losses(_train(tmp_path, "moved", data=second))
+  np.testing.assert_array_equal(moved[:, 0], reference[:, 0])
+  np.testing.assert_allclose(moved[:, 1], reference[:, 1], rtol=1e-5)
+
+
+def test_bad_meshes_are_rejected_before_training(tmp_path):
+  with pytest.raises(ValueError, match="only 8 exist"):
+    _train(tmp_path, "big", data=8, sequence=2)
+  with pytest.raises(ValueError, match="needs attention.type='favor'"):
+    _train(tmp_path, "softmax", sequence=2, attention="softmax")
+
+
+def test_sequence_parallel_benchmark_quick(tmp_path):
+  from experiments import main
+  from experiments.configs import sequence_parallel
+  config = sequence_parallel.get_config()
+  config.quick = True
+  records = main.run(config, str(tmp_path))
+  assert {r["method"] for r in records} == {"single_device", "sequence_parallel"}
+  assert all(r["max_abs_diff_vs_single"] < 1e-4 for r in records)
+  comm = {r["causal"]: r["comm_bytes"] for r in records if r["method"] == "sequence_parallel"}
+  assert comm[True] == 7 * 1 * 2 * 32 * 66 * 4  # (devices − 1) · B · H · M · (Dv + 2) · 4 bytes
+  assert (tmp_path / "sequence_parallel.png").exists()
