@@ -15,6 +15,7 @@ import numpy as np
 
 from favor_jax import core
 from favor_jax.layers import draw_projection
+from experiments import plotting
 
 # The seed article's published table (n=64, d=32, inputs ×0.3): its MSE is flat in M.
 SEED_TABLE = {32: 0.000958, 64: 0.000857, 128: 0.000871, 256: 0.000870, 512: 0.000927}
@@ -181,12 +182,9 @@ def summarize(records, config) -> str:
 
 
 def plot(records, config, workdir):
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
   paths = []
   for name, seq_len, dim, scale in config.settings:
-    fig, axes = plt.subplots(1, len(config.kernels), figsize=(3.2 * len(config.kernels), 3.2),
+    fig, axes = plotting.subplots(1, len(config.kernels), figsize=(3.2 * len(config.kernels), 3.2),
                              squeeze=False)
     uniform = next(r["mse"] for r in records if r["setting"] == name and r["kernel"] == "uniform")
     for ax, kernel in zip(axes[0], config.kernels):
@@ -201,20 +199,16 @@ def plot(records, config, workdir):
     axes[0][0].set_ylabel("output MSE")
     axes[0][0].legend(fontsize=7)
     fig.suptitle(f"{name}: L={seq_len}, d={dim}, inputs ×{scale}")
-    fig.tight_layout()
     paths.append(f"{workdir}/error_vs_m_{name}.png")
-    fig.savefig(paths[-1], dpi=110)
-    plt.close(fig)
+    plotting.save(fig, paths[-1])
   seed = sorted((r["num_features"], r["mse"]) for r in records if r["setting"] == "seed"
                 and r["kernel"] == "positive" and r["projection"] == "orthogonal")
   if seed:
-    fig, ax = plt.subplots(figsize=(4.5, 3.2))
+    fig, ax = plotting.subplots(figsize=(4.5, 3.2))
     ax.plot(*zip(*sorted(SEED_TABLE.items())), marker="s", label="seed article (biased)")
     ax.plot(*zip(*seed), marker="o", label="FAVOR+ here")
     ax.set(xscale="log", yscale="log", xlabel="M", ylabel="output MSE", title="seed experiment")
     ax.legend()
-    fig.tight_layout()
     paths.append(f"{workdir}/seed_experiment.png")
-    fig.savefig(paths[-1], dpi=110)
-    plt.close(fig)
+    plotting.save(fig, paths[-1])
   return paths

@@ -12,7 +12,7 @@ from __future__ import annotations
 import copy
 import os
 
-from experiments import sweep, training
+from experiments import plotting, sweep, training
 
 
 def phase_configs(config):
@@ -64,10 +64,7 @@ def summarize(records, config) -> str:
 
 
 def plot(records, config, workdir) -> list[str]:
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-  fig, ax = plt.subplots(figsize=(6, 4))
+  fig, ax = plotting.subplots(figsize=(6, 4))
   for r in records:
     steps, losses = zip(*r["curve"])
     ax.plot(steps, losses, marker=".", label=r["name"])
@@ -76,8 +73,5 @@ def plot(records, config, workdir) -> list[str]:
          title=f"Swapping attention in a softmax-trained {config.task} model")
   ax.grid(alpha=0.3)
   ax.legend(fontsize=7)
-  fig.tight_layout()
   path = os.path.join(workdir, "backward_compat.png")
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
-  return [path]
+  return [plotting.save(fig, path)]

@@ -17,6 +17,7 @@ import sys
 
 import numpy as np
 
+from experiments import plotting
 from experiments.timing import median_of
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -182,10 +183,7 @@ def summarize(records, config) -> str:
 
 
 def plot(records, config, workdir):
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-  fig, ax = plt.subplots(figsize=(6, 4))
+  fig, ax = plotting.subplots(figsize=(6, 4))
   for library in ("favor_jax", "performer_pytorch"):
     for causal in config.causal:
       for pass_ in config.passes:
@@ -194,11 +192,8 @@ def plot(records, config, workdir):
         ax.plot(*zip(*pts), marker="o", ms=3, label=f"{library} {'causal' if causal else 'bidir'} {pass_}")
   ax.set(xscale="log", yscale="log", xlabel="L", ylabel="time (s)")
   ax.legend(fontsize=6)
-  fig.tight_layout()
   path = f"{workdir}/peers_time.png"
-  fig.savefig(path, dpi=110)
-  plt.close(fig)
-  return [path]
+  return [plotting.save(fig, path)]
 
 
 if __name__ == "__main__":

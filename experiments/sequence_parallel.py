@@ -16,6 +16,7 @@ from jax.sharding import AxisType
 
 from experiments.benchmarks.attention_speed import inputs, median_seconds
 from favor_jax import core, parallel
+from experiments import plotting
 
 
 def run(config, progress=print, workdir=None):
@@ -72,10 +73,7 @@ def summarize(records, config) -> str:
 
 
 def plot(records, config, workdir):
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-  fig, ax = plt.subplots(figsize=(6, 4))
+  fig, ax = plotting.subplots(figsize=(6, 4))
   for method in ("single_device", "sequence_parallel"):
     for causal in config.causal:
       for pass_ in config.passes:
@@ -87,8 +85,5 @@ def plot(records, config, workdir):
          title=f"FAVOR+ on 1 vs {config.devices} devices")
   ax.grid(alpha=0.3)
   ax.legend(fontsize=6)
-  fig.tight_layout()
   path = f"{workdir}/sequence_parallel.png"
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
-  return [path]
+  return [plotting.save(fig, path)]

@@ -17,6 +17,7 @@ import numpy as np
 
 from experiments.benchmarks.attention_speed import median_seconds
 from favor_jax import core
+from experiments import plotting
 
 CHUNK = 64  # favor_attention's default chunk_size, for the FLOP count
 
@@ -134,10 +135,7 @@ def summarize(records, config) -> str:
 
 
 def plot(records, config, workdir):
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-  fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+  fig, axes = plotting.subplots(1, 2, figsize=(11, 4))
   series = sorted({(r["method"], r["causal"], r["pass"]) for r in records})
   for method, causal, pass_ in series:
     pts = sorted((r["seq_len"], r) for r in records if (r["method"], r["causal"], r["pass"]) ==
@@ -151,8 +149,5 @@ def plot(records, config, workdir):
   axes[1].set(xscale="log", yscale="log", xlabel="L", ylabel="compiled memory (MB)")
   axes[0].legend(fontsize=6)
   fig.suptitle(f"B={config.batch} H={config.heads} D={config.head_dim} M={config.num_features} {config.dtype}")
-  fig.tight_layout()
   path = f"{workdir}/speed_memory_vs_length.png"
-  fig.savefig(path, dpi=110)
-  plt.close(fig)
-  return [path]
+  return [plotting.save(fig, path)]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import copy
 import os
 
-from experiments import training
+from experiments import plotting, training
 from experiments.configs import common
 
 
@@ -91,10 +91,7 @@ def summarize(records: list[dict], config) -> str:
 
 
 def plot_curves(curves: dict[str, list[dict]], path: str, metric: str = "eval_loss") -> str:
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-  fig, (ax_train, ax_eval) = plt.subplots(1, 2, figsize=(11, 4))
+  fig, (ax_train, ax_eval) = plotting.subplots(1, 2, figsize=(11, 4))
   for name, records in curves.items():
     train = [r for r in records if r["kind"] == "train"]
     evals = [r for r in records if r["kind"] == "eval"]
@@ -105,10 +102,7 @@ def plot_curves(curves: dict[str, list[dict]], path: str, metric: str = "eval_lo
   for ax in (ax_train, ax_eval):
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
-  return path
+  return plotting.save(fig, path)
 
 
 def plot(records: list[dict], config, workdir: str) -> list[str]:
