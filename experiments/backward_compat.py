@@ -33,12 +33,14 @@ def phase_configs(config):
 def run(config, progress, workdir) -> list[dict]:
   pretrain, finetunes = phase_configs(config)
   progress("pretraining the softmax model")
-  records, state = training.train(pretrain, os.path.join(workdir, "pretrain_softmax"), progress)
+  records, state = training.train(pretrain, os.path.join(workdir, "pretrain_softmax"),
+                                  lambda m: progress(f"pretrain_softmax {m}"))
   pretrained = [r for r in records if r["kind"] == "eval"][-1]
   out = []
   for name, c in finetunes:
     progress(f"swap + fine-tune: {name}")
-    runs, _ = training.train(c, os.path.join(workdir, name), progress, init_params=state.params)
+    runs, _ = training.train(c, os.path.join(workdir, name), lambda m, n=name: progress(f"{n} {m}"),
+                             init_params=state.params)
     evals = [r for r in runs if r["kind"] == "eval"]
     a = c.attention
     out.append(dict(name=name, attention=a.type, kernel=a.kernel if a.type == "favor" else "",

@@ -98,7 +98,7 @@ def plot_curves(curves: dict[str, list[dict]], path: str, metric: str = "eval_lo
     ax_train.plot([r["step"] for r in train], [r["train_loss"] for r in train], label=name)
     ax_eval.plot([r["step"] for r in evals], [r[metric] for r in evals], marker=".", label=name)
   ax_train.set(xlabel="step", ylabel="train loss (window mean)", yscale="log")
-  ax_eval.set(xlabel="step", ylabel=metric.replace("_", " "))
+  ax_eval.set(xlabel="step", ylabel=metric.replace("_", " "), yscale="linear" if "accuracy" in metric else "log")
   for ax in (ax_train, ax_eval):
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)

@@ -27,9 +27,9 @@ def get_config():
 
 
 def apply_quick(config):
-  """CPU size: the Shakespeare quick model, 600 pretraining steps, 150 fine-tune steps."""
+  """CPU size: the Shakespeare quick model and its 1200 steps as pretraining, 300 fine-tune steps."""
   config = shakespeare.apply_quick(config)
-  config.finetune.steps = 150
+  config.finetune.steps = 300
   config.finetune.lr = 1e-3
   config.finetune.eval_every = 25
   config.only = "favor_positive,softmax_control"  # a subset of the variants (overridable)

@@ -23,6 +23,7 @@ def get_config():
                      ("favor_positive", favor("positive")),  # FAVOR+ (positive random features)
                      ("favor_positive_redraw", {**favor("positive"), "attention.redraw_every": 50}),
                      ("favor_relu", favor("relu")))  # ReLU random features (Performer-ReLU)
+  config.only = ""  # run every variant
   return config
 
 

@@ -302,3 +302,23 @@ def test_quick_version_yields_to_command_line_overrides(tmp_path):
   assert [r["name"] for r in records] == ["favor_positive"] and records[0]["steps"] == 3
   saved = json.load(open(tmp_path / "config.json"))["config"]
   assert saved["data"]["max_length"] == 96 and saved["model"]["d_model"] == 16  # quick size + overrides
+
+
+@pytest.mark.parametrize("name", ["mqar", "listops", "shakespeare", "quickstart", "backward_compat", "tiny"])
+def test_every_training_config_and_variant_passes_the_checks(name):
+  import importlib
+  module = importlib.import_module(f"experiments.configs.{name}")
+  for config in (module.get_config(), module.apply_quick(module.get_config())):
+    assert sweep.variant_configs(config)  # each variant checked; raises on a bad field or value
+
+
+def test_quickstart_quick_version_runs_on_the_excerpt(tmp_path):
+  from experiments.configs import quickstart
+  config = quickstart.get_config()
+  config.quick = True
+  overrides = {"data.text_dir": EXCERPT, "data.valid_plays": ("tempest",), "data.seq_len": 32,
+               "model.d_model": 32, "model.num_layers": 1}
+  records = main.run(config, str(tmp_path), overrides)
+  assert [r["name"] for r in records] == ["softmax", "favor_positive"]
+  assert all(np.isfinite(r["eval_bpc"]) and r["eval_bpc"] < 8 for r in records)  # learnt something in 20 steps
+  assert "eval_bpc ratio FAVOR / softmax" in open(tmp_path / "summary.md").read()
