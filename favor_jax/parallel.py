@@ -26,6 +26,7 @@ from jaxtyping import Array, Bool, Float
 
 from favor_jax.core import attention as attention_lib
 from favor_jax.core import causal as causal_lib
+from favor_jax.core import checks
 
 __all__ = ["sequence_parallel_attention", "communication_bytes"]
 
@@ -78,17 +79,14 @@ def sequence_parallel_attention(
   if data_dependent and rho is None:
     raise ValueError(f"kernel {kernel!r} needs an explicit rho [..., H] under sequence parallelism "
                      "(e.g. favor_jax.core.oprf_rho(query, key) computed by the caller, or a running ρ)")
-  if not isinstance(chunk_size, int) or chunk_size <= 0:
-    raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+  checks.check_chunk_size(chunk_size)
 
   batch, length = query.shape[:-3], query.shape[-3]
   q, k, v = (attention_lib._flatten(x, batch) for x in (query, key, value))
   mask = attention_lib._mask_NL(key_mask, key)
   padded = -(-length // devices) * devices
-  if padded != length:
-    pad = lambda x, value=0: jnp.pad(x, [(0, 0), (0, padded - length)] + [(0, 0)] * (x.ndim - 2),
-                                     constant_values=value)
-    q, k, v, mask = pad(q), pad(k), pad(v), pad(mask, False)
+  q, k, v = (causal_lib._pad_to(x, padded) for x in (q, k, v))
+  mask = causal_lib._pad_to(mask, padded, False)
   rho_NH = attention_lib._flat_rho(rho, query)
   # Row-local feature stabilisation only: a max over "all positions" would differ per device.
   feature_fn = attention_lib._feature_fn(kern, projection, rho_NH, causal=True)

@@ -114,8 +114,7 @@ def _run(feature_fn, query, key, value, key_mask, causal, causal_method, chunk_s
           f"unknown causal_method {causal_method!r}; choose one of {sorted(causal_lib.CAUSAL_METHODS)}")
     algo = causal_lib.CAUSAL_METHODS[causal_method]
     if causal_method == "chunked":
-      if not isinstance(chunk_size, int) or chunk_size <= 0:
-        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+      checks.check_chunk_size(chunk_size)
       num, den = algo(feature_fn, q, k, v, mask, chunk_size=chunk_size)
     else:
       num, den = algo(feature_fn, q, k, v, mask)

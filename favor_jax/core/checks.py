@@ -76,3 +76,8 @@ def check_causal_lengths(query, key) -> None:
     raise ValueError(
         f"causal attention needs equal query and key lengths, got Lq={query.shape[-3]} "
         f"(query shape {query.shape}) and Lk={key.shape[-3]} (key shape {key.shape})")
+
+
+def check_chunk_size(chunk_size) -> None:
+  if not isinstance(chunk_size, int) or chunk_size <= 0:
+    raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")

@@ -140,10 +140,10 @@ class FavorAttention(nn.MultiHeadDotProductAttention):
         x = self._decode(query, key, value, projection.value, attend)
       elif self.sequence_axis is not None:
         if rho is None and getattr(core.get_kernel(self.kernel), "data_dependent", False):
-          rho = core.oprf_rho(query, key, key_mask)  # the global statistic (XLA inserts the reduction)
+          attend["rho"] = core.oprf_rho(query, key, key_mask)  # the global statistic (XLA reduces it)
         x = parallel.sequence_parallel_attention(
             query, key, value, projection.value, mesh=self.mesh, axis_name=self.sequence_axis,
-            batch_axis=self.batch_axis, causal=self.causal, **{**attend, "rho": rho})
+            batch_axis=self.batch_axis, causal=self.causal, **attend)
       else:
         x = core.favor_attention(query, key, value, projection.value, causal=self.causal, **attend)
     return nn.DenseGeneral(
