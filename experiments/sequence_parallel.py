@@ -33,8 +33,11 @@ def run(config, progress=print, workdir=None):
       fns = {"single_device": lambda q, k, v, causal=causal: core.favor_attention(q, k, v, w, causal=causal),
              "sequence_parallel": lambda q, k, v, causal=causal: parallel.sequence_parallel_attention(
                  q, k, v, w, mesh=mesh, axis_name="seq", causal=causal)}
+      comm = parallel.communication_bytes(config.batch, config.heads, config.num_features, config.head_dim,
+                                          config.devices, causal)
       outs = {}
       for name, fn in fns.items():
+        split = name == "sequence_parallel"
         for pass_ in config.passes:
           f = fn if pass_ == "fwd" else jax.grad(lambda q, k, v, fn=fn: jnp.sum(fn(q, k, v).astype(jnp.float32)),
                                                  argnums=(0, 1, 2))
@@ -42,12 +45,10 @@ def run(config, progress=print, workdir=None):
           if pass_ == "fwd":
             outs[name] = np.asarray(f(q, k, v), np.float32)
           seconds = median_seconds(f, q, k, v, repeats=config.repeats)
-          records.append(dict(method=name, causal=causal, seq_len=length, devices=config.devices if name !=
-                              "single_device" else 1, num_features=config.num_features, head_dim=config.head_dim,
-                              heads=config.heads, batch=config.batch, dtype=config.dtype, **{"pass": pass_},
-                              median_s=seconds, comm_bytes=parallel.communication_bytes(
-                                  config.batch, config.heads, config.num_features, config.head_dim,
-                                  config.devices, causal) if name != "single_device" else 0))
+          records.append(dict(method=name, causal=causal, seq_len=length, devices=config.devices if split else 1,
+                              num_features=config.num_features, head_dim=config.head_dim, heads=config.heads,
+                              batch=config.batch, dtype=config.dtype, **{"pass": pass_}, median_s=seconds,
+                              comm_bytes=comm if split else 0))
           progress(f"L={length} causal={causal} {name} {pass_}: {seconds:.3f} s")
       diff = float(np.abs(outs["sequence_parallel"] - outs["single_device"]).max())
       for r in records[-2 * len(config.passes):]:

@@ -13,7 +13,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from experiments.benchmarks.attention_speed import median_seconds
 from favor_jax import core

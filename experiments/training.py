@@ -179,11 +179,12 @@ def make_eval(model, task, mesh: Mesh):
     return metric_sums(model.apply({"params": params, "favor": favor}, batch.tokens), batch)
 
   data = mesh.shape["data"]
-  # Evaluation batches the data axis does not divide (a short last batch) run replicated.
-  put = lambda b: put_batch(b, mesh) if len(b.tokens) % data == 0 else b
+  # Placed once: the held-out set never changes. A batch the data axis does not divide (a short last
+  # batch) runs replicated.
+  batches = [put_batch(b, mesh) if len(b.tokens) % data == 0 else b for b in task.eval_batches]
 
   def evaluate(state: TrainState) -> dict:
-    total = sum(np.asarray(eval_sums(state.params, state.favor, put(b)), np.float64) for b in task.eval_batches)
+    total = sum(np.asarray(eval_sums(state.params, state.favor, b), np.float64) for b in batches)
     out = dict(eval_loss=total[0] / total[2], eval_accuracy=total[1] / total[2])
     if task.metric == "eval_bpc":
       out["eval_bpc"] = out["eval_loss"] / math.log(2)
@@ -271,6 +272,7 @@ def train(config, workdir: str, progress=print, init_params=None) -> tuple[list[
   train_step = make_train_step(model, optimizer, config.attention.redraw_every, jax.random.PRNGKey(t.seed + 1),
                                (shardings, NamedSharding(mesh, P("data"))))  # redraws: a key of their own
   evaluate = make_eval(model, task, mesh)
+  lr = make_lr(t)
   if step == 0:
     log.write(dict(kind="eval", step=0, **evaluate(state)))
   start, start_step = time.time(), step
@@ -283,7 +285,7 @@ def train(config, workdir: str, progress=print, init_params=None) -> tuple[list[
       sums = np.asarray(state.sums_3, np.float64)
       state = state._replace(sums_3=jax.device_put(jnp.zeros(3, jnp.float32), shardings.sums_3))
       log.write(dict(kind="train", step=step, train_loss=sums[0] / sums[2], train_accuracy=sums[1] / sums[2],
-                     lr=float(make_lr(t)(step - 1)), **timing()))
+                     lr=float(lr(step - 1)), **timing()))
       progress(f"{bar(step, t.steps, log.records[-1]['steps_per_s'])} loss {log.records[-1]['train_loss']:.4f}")
     if step % t.eval_every == 0 or step == t.steps:
       log.write(dict(kind="eval", step=step, **evaluate(state), **timing()))

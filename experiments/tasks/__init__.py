@@ -36,18 +36,19 @@ def stream_rng(seed: int, stream: int, position: int) -> np.random.Generator:
   return np.random.default_rng([seed, stream, position])
 
 
+def _module(task: str):
+  if task not in TASKS:
+    raise ValueError(f"task must be one of {TASKS}, got {task!r}")
+  return importlib.import_module(f"experiments.tasks.{task}")
+
+
 def make_task(config) -> Task:
-  if config.task not in TASKS:
-    raise ValueError(f"task must be one of {TASKS}, got {config.task!r}")
-  return importlib.import_module(f"experiments.tasks.{config.task}").make_task(
-      config.data, batch_size=config.train.batch_size, seed=config.train.seed)
+  return _module(config.task).make_task(config.data, batch_size=config.train.batch_size, seed=config.train.seed)
 
 
 def check_data(config) -> None:
   """Rejects bad ``config.data`` values with a message naming the field (before anything is built)."""
-  if config.task not in TASKS:
-    raise ValueError(f"task must be one of {TASKS}, got {config.task!r}")
-  importlib.import_module(f"experiments.tasks.{config.task}").check_data(config.data)
+  _module(config.task).check_data(config.data)
 
 
 def positive_int(name: str, value) -> None:

@@ -1,5 +1,4 @@
 import functools
-import math
 
 import jax
 import jax.numpy as jnp

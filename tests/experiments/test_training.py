@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from experiments import backward_compat, main, models, sweep, tasks, training
+from experiments import main, models, sweep, tasks, training
 from experiments.configs import backward_compat as backward_compat_config
 from experiments.configs import listops as listops_config
 from experiments.configs import common

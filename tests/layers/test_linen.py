@@ -1,4 +1,3 @@
-import functools
 
 import chex
 import flax.linen as nn
