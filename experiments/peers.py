@@ -9,18 +9,13 @@ Needs the optional extra ``peers`` (torch CPU + performer-pytorch).
 
 from __future__ import annotations
 
-import json
 import math
 import os
-import subprocess
-import sys
 
 import numpy as np
 
-from experiments import plotting
+from experiments import isolation, plotting
 from experiments.timing import median_of
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 INSTALL_HINT = "pip install -e '.[peers]'  (torch CPU and performer-pytorch)"
 
@@ -32,11 +27,6 @@ def peers_available() -> bool:
   except ImportError:
     return False
   return True
-
-
-def _vm(key):
-  with open("/proc/self/status") as f:
-    return int(next(line for line in f if line.startswith(key)).split()[1]) * 1024
 
 
 def _torch_case(job):
@@ -74,25 +64,15 @@ def _jax_case(job):
   return lambda: jax.block_until_ready(fn(q, k, v, p))
 
 
-def _child(job):
-  """Runs one timing job in this process and prints its record."""
+def _measure(job):
+  """Runs one timing job in this process; returns its record."""
   thunk = (_torch_case if job["library"] == "performer_pytorch" else _jax_case)(job)
   # JAX compiled ahead of time above: its compiler's memory is not the attention's. Runs
   # (warm-up included) start from here for both libraries.
-  with open("/proc/self/clear_refs", "w") as f:
-    f.write("5")  # resets VmHWM to the current RSS (Linux ≥ 4.0)
-  base = _vm("VmRSS")
+  base = isolation.reset_peak_rss()
   seconds = median_of(thunk, job["repeats"])
-  peak = _vm("VmHWM")
-  print(json.dumps(dict(job, median_s=seconds, peak_rss_bytes=peak, baseline_rss_bytes=base,
-                        peak_bytes=peak - base)))
-
-
-def _spawn(job):
-  out = subprocess.run([sys.executable, "-m", "experiments.peers", json.dumps(job)],
-                       capture_output=True, text=True, check=True, cwd=ROOT,
-                       env={**os.environ, "OMP_NUM_THREADS": str(job["threads"])})
-  return json.loads(out.stdout.strip().splitlines()[-1])
+  peak = isolation.peak_rss()
+  return dict(job, median_s=seconds, peak_rss_bytes=peak, baseline_rss_bytes=base, peak_bytes=peak - base)
 
 
 def approximation(config):
@@ -150,7 +130,8 @@ def run(config, progress=print, workdir=None):
           job = dict(kind="timing", library=library, causal=causal, seq_len=length, batch=config.batch,
                      heads=config.heads, head_dim=config.head_dim, num_features=config.num_features,
                      threads=config.threads or os.cpu_count(), repeats=config.repeats, **{"pass": pass_})
-          records.append(_spawn(job))
+          threads = {"OMP_NUM_THREADS": str(job["threads"])}
+          records.append(isolation.spawn("experiments.peers", job, threads))
           progress(f"{library:>17} {'causal' if causal else 'bidir':>6} L={length:<6} {pass_:>7} "
                    f"{records[-1]['median_s']:.4f}s  {records[-1]['peak_bytes'] / 2**20:.0f} MB")
   records += approximation(config)
@@ -197,4 +178,4 @@ def plot(records, config, workdir):
 
 
 if __name__ == "__main__":
-  _child(json.loads(sys.argv[1]))
+  isolation.child_main(_measure)

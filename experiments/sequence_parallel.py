@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType
 
-from experiments.benchmarks.attention_speed import inputs, median_seconds
+from experiments.speed import inputs, median_seconds
 from favor_jax import core, parallel
 from experiments import plotting
 

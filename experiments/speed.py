@@ -1,152 +1,254 @@
 """Speed and memory study: every attention method against sequence length, fwd and fwd+bwd.
 
-Timing: jit, arrays as arguments, one warm-up, median of ``config.repeats``.
-Memory: XLA's accounting of the compiled program (arguments + outputs +
-temporaries). A configuration whose compiled program would need more than
-``config.memory_limit_gb`` is recorded as ``out_of_memory`` instead of run.
-A same-run dense matmul gives the machine's FLOP/s ceiling.
+Timing: jit, arrays as arguments (never closed over: XLA would fold them), one
+warm-up, median of ``config.repeats``. Memory (``config.memory``):
+``"process"`` runs each configuration in a fresh process and reports its peak
+resident memory while running (inputs included; compilation excluded);
+``"compiled"`` reports XLA's accounting of the compiled program (arguments +
+outputs + temporaries), which every record carries as ``compiled_bytes``.
+A configuration whose compiled program needs more than the memory limit is
+recorded as ``out_of_memory`` instead of run. A same-run dense matmul gives
+the FLOP/s ceiling. In a low-precision run, ``rel_error`` compares each
+method's forward output with the same computation in float32.
 """
 
 from __future__ import annotations
 
 import functools
+import json
+import math
+import os
+import subprocess
 
 import jax
 import jax.numpy as jnp
 
-from experiments.benchmarks.attention_speed import median_seconds
+from experiments import isolation, plotting
+from experiments.timing import median_of
 from favor_jax import core
-from experiments import plotting
 
 CHUNK = 64  # favor_attention's default chunk_size, for the FLOP count
+EXACT = ("softmax", "jax_dot_product_attention")
+CAUSAL_ONLY = ("favor_scan", "favor_cumsum")
+CHECK_ROWS = 256  # query rows compared with the float32 exact reference
 
 
-def _methods(on_gpu):
-  exact = functools.partial(jax.nn.dot_product_attention, implementation="cudnn" if on_gpu else None)
-  favor = lambda method: (lambda q, k, v, p, causal: core.favor_attention(
-      q, k, v, p, causal=causal, causal_method=method))
-  return {
-      "softmax": lambda q, k, v, p, causal: core.softmax_attention(q, k, v, causal=causal),
-      "jax_dot_product_attention": lambda q, k, v, p, causal: exact(q, k, v, is_causal=causal),
-      "favor": favor("chunked"),
-      "favor_scan": favor("scan"),
-      "favor_cumsum": favor("cumsum"),
-  }
+def median_seconds(fn, *args, repeats: int = 5) -> float:
+  return median_of(lambda: jax.block_until_ready(fn(*args)), repeats)
 
 
-def flops(method, causal, b, length, h, d, m):
-  """Forward FLOPs as computed (exact attention computes the full L×L product even when causal)."""
-  if method in ("softmax", "jax_dot_product_attention"):
-    return 4 * b * h * length * length * d
+def inputs(seq_len, *, batch=1, heads=8, head_dim=64, num_features=256, dtype=jnp.float32, seed=0):
+  """q, k, v ~ N(0, 1) of shape [B, L, H, D] and an orthogonal [M, D] projection."""
+  ks = jax.random.split(jax.random.PRNGKey(seed), 4)
+  q, k, v = (jax.random.normal(kk, (batch, seq_len, heads, head_dim), dtype) for kk in ks[:3])
+  return q, k, v, core.orthogonal_projection(ks[3], num_features, head_dim)
+
+
+def method(name, on_gpu):
+  """fn(q, k, v, projection, causal) for one of ``config.methods``."""
+  if name == "softmax":
+    return lambda q, k, v, p, causal: core.softmax_attention(q, k, v, causal=causal)
+  if name == "jax_dot_product_attention":
+    def exact(q, k, v, p, causal):  # cuDNN's fused kernel takes half precision only
+      impl = "cudnn" if on_gpu and q.dtype in (jnp.bfloat16, jnp.float16) else None
+      return jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation=impl)
+    return exact
+  algorithm = {"favor": "chunked", "favor_scan": "scan", "favor_cumsum": "cumsum"}[name]
+  return lambda q, k, v, p, causal: core.favor_attention(q, k, v, p, causal=causal, causal_method=algorithm)
+
+
+def flops(name, causal, b, length, h, d, m, on_gpu=False):
+  """Forward FLOPs as computed: XLA's exact attention computes the full L×L product even when causal;
+  cuDNN's skips the blocks above the diagonal."""
+  if name in EXACT:
+    full = 4 * b * h * length * length * d
+    return full // 2 if causal and on_gpu and name == "jax_dot_product_attention" else full
   per_token = 2 * 2 * m * d + 2 * 2 * m * (d + 1)  # features of q and k; state update and read-out
-  if causal and method == "favor":
+  if causal and name == "favor":
     per_token += 2 * CHUNK * (m + d + 1)  # masked quadratic product inside a chunk
   return b * h * length * per_token
 
 
-def matmul_ceiling(dtype, size=4096, repeats=3):
+def matmul_ceiling(dtype, on_gpu):
+  size = 8192 if on_gpu else 4096
   a = jax.random.normal(jax.random.PRNGKey(0), (size, size), dtype)
-  seconds = median_seconds(jax.jit(jnp.matmul), a, a, repeats=repeats)
+  seconds = median_seconds(jax.jit(jnp.matmul), a, a, repeats=10 if on_gpu else 3)
   return 2 * size ** 3 / seconds / 1e9
 
 
-def run(config, progress=print, workdir=None):
+def memory_limit_bytes(limit_gb):
+  """``limit_gb`` > 0 as given; otherwise 90% of the accelerator's memory, or 80% of this host's RAM."""
+  if limit_gb > 0:
+    return int(limit_gb * 2 ** 30)
+  stats = jax.devices()[0].memory_stats() or {}
+  if "bytes_limit" in stats:
+    return int(0.9 * stats["bytes_limit"])
+  return int(0.8 * os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+
+
+def _exact_rows(q, k, v, rows, causal):
+  """float32 softmax attention for the query ``rows`` only: O(rows × L) memory at any L."""
+  q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
+  s_BHRL = jnp.einsum("brhd,blhd->bhrl", q[:, rows], k) / math.sqrt(q.shape[-1])
+  if causal:
+    s_BHRL = jnp.where(jnp.arange(k.shape[1])[None, :] <= rows[:, None], s_BHRL, -jnp.inf)
+  return jnp.einsum("bhrl,blhd->brhd", jax.nn.softmax(s_BHRL, axis=-1), v)
+
+
+def _rel_error(name, causal, q, k, v, p, out):
+  """‖out − out₃₂‖/‖out₃₂‖ on CHECK_ROWS query rows (the last one included), out₃₂ in float32."""
+  length = q.shape[1]
+  rows = jnp.unique(jnp.linspace(0, length - 1, min(CHECK_ROWS, length)).astype(jnp.int32))
+  if name in EXACT:
+    ref = jax.jit(_exact_rows, static_argnums=4)(q, k, v, rows, causal)
+  else:
+    f32 = lambda x: x.astype(jnp.float32)
+    ref = jax.jit(method("favor", False), static_argnums=4)(f32(q), f32(k), f32(v), p, causal)[:, rows]
+  diff = out[:, rows].astype(jnp.float32) - ref
+  return float(jnp.linalg.norm(diff) / jnp.linalg.norm(ref))
+
+
+def measure(job):
+  """One configuration, in this process: compile, check the memory limit, time, measure memory."""
   on_gpu = jax.default_backend() == "gpu"
-  dtype = jnp.dtype(config.dtype)
-  methods = _methods(on_gpu)
-  ceiling = matmul_ceiling(dtype)
-  progress(f"matmul ceiling {ceiling:.1f} GFLOP/s ({config.dtype})")
-  b, h, d, m = config.batch, config.heads, config.head_dim, config.num_features
-  records = []
+  b, length, h, d, m = (job[f] for f in ("batch", "seq_len", "heads", "head_dim", "num_features"))
+  rec = dict(job)
+  q, k, v, p = inputs(length, batch=b, heads=h, head_dim=d, num_features=m, dtype=jnp.dtype(job["dtype"]),
+                      seed=length)
+  fwd = functools.partial(method(job["method"], on_gpu), causal=job["causal"])
+  fn = fwd if job["pass"] == "fwd" else jax.grad(
+      lambda *a: jnp.sum(fwd(*a).astype(jnp.float32) ** 2), argnums=(0, 1, 2))
+  try:
+    compiled = jax.jit(fn).lower(q, k, v, p).compile()
+    mem = compiled.memory_analysis()
+    rec["compiled_bytes"] = int(mem.temp_size_in_bytes + mem.argument_size_in_bytes + mem.output_size_in_bytes)
+    if rec["compiled_bytes"] > job["memory_limit_bytes"]:
+      return dict(rec, status="out_of_memory", peak_bytes=rec["compiled_bytes"])
+    if job["method"] == "favor_scan" and length > job["scan_max_len"]:
+      return dict(rec, status="skipped_too_slow")
+    if job["memory"] == "process":
+      base = isolation.reset_peak_rss()
+    rec["median_s"] = median_seconds(compiled, q, k, v, p, repeats=job["repeats"])
+    if job["memory"] == "process":  # what running added to the resident set, plus the inputs it was given
+      rec["peak_bytes"] = isolation.peak_rss() - base + int(mem.argument_size_in_bytes)
+    else:
+      rec["peak_bytes"] = rec["compiled_bytes"]
+    work = flops(job["method"], job["causal"], b, length, h, d, m, on_gpu) * (1 if job["pass"] == "fwd" else 3)
+    rec["gflops_per_s"] = work / rec["median_s"] / 1e9
+    rec["fraction_of_matmul"] = rec["gflops_per_s"] / job["matmul_gflops_per_s"]
+    if job["pass"] == "fwd" and job["dtype"] != "float32":
+      rec["rel_error"] = _rel_error(job["method"], job["causal"], q, k, v, p, compiled(q, k, v, p))
+    return dict(rec, status="ok")
+  except Exception as e:  # noqa: BLE001 — an allocation failure is a result here
+    if "RESOURCE_EXHAUSTED" not in str(e) and "memory" not in str(e).lower():
+      raise
+    return dict(rec, status="out_of_memory")
+
+
+def jobs(config, ceiling, limit):
+  """Every (L, method, causal, pass) the config asks for, as a job ``measure`` takes."""
   for length in config.seq_lens:
-    ks = jax.random.split(jax.random.PRNGKey(length), 4)
-    q, k, v = (jax.random.normal(kk, (b, length, h, d), dtype) for kk in ks[:3])
-    p = core.orthogonal_projection(ks[3], m, d)
     for name in config.methods:
       for causal in config.causal:
-        if name in ("favor_scan", "favor_cumsum") and not causal:
-          continue  # causal algorithms only
+        if name in CAUSAL_ONLY and not causal:
+          continue
         for pass_ in config.passes:
-          fwd = functools.partial(methods[name], causal=causal)
-          fn = fwd if pass_ == "fwd" else jax.grad(
-              lambda *a: jnp.sum(fwd(*a).astype(jnp.float32) ** 2), argnums=(0, 1, 2))
-          rec = dict(method=name, causal=causal, seq_len=length, num_features=m, head_dim=d, heads=h,
-                     batch=b, dtype=config.dtype, **{"pass": pass_}, matmul_gflops_per_s=ceiling)
-          try:
-            compiled = jax.jit(fn).lower(q, k, v, p).compile()
-            mem = compiled.memory_analysis()
-            rec["peak_bytes"] = int(mem.temp_size_in_bytes + mem.argument_size_in_bytes
-                                    + mem.output_size_in_bytes)
-            if rec["peak_bytes"] > config.memory_limit_gb * 2 ** 30:
-              rec["status"] = "out_of_memory"
-            elif name == "favor_scan" and length > config.scan_max_len:
-              rec["status"] = "skipped_too_slow"
-            else:
-              rec["median_s"] = median_seconds(compiled, q, k, v, p, repeats=config.repeats)
-              work = flops(name, causal, b, length, h, d, m) * (1 if pass_ == "fwd" else 3)
-              rec["gflops_per_s"] = work / rec["median_s"] / 1e9
-              rec["fraction_of_matmul"] = rec["gflops_per_s"] / ceiling
-              rec["status"] = "ok"
-          except Exception as e:  # noqa: BLE001 — an allocation failure is a result here
-            if "RESOURCE_EXHAUSTED" not in str(e) and "memory" not in str(e).lower():
-              raise
-            rec["status"] = "out_of_memory"
-          records.append(rec)
-          progress(f"L={length:<7} {name:>26} {'causal' if causal else 'bidir':>6} {pass_:>7} "
-                   f"{rec.get('median_s', float('nan')):9.4f}s  {rec['status']}")
+          yield dict(method=name, causal=causal, seq_len=length, num_features=config.num_features,
+                     head_dim=config.head_dim, heads=config.heads, batch=config.batch, dtype=config.dtype,
+                     repeats=config.repeats, memory=config.memory, memory_limit_bytes=limit,
+                     scan_max_len=config.scan_max_len, matmul_gflops_per_s=ceiling, **{"pass": pass_})
+
+
+def run(config, progress=print, workdir=None):
+  if config.memory not in ("process", "compiled"):
+    raise ValueError(f"config.memory must be 'process' or 'compiled', got {config.memory!r}")
+  on_gpu = jax.default_backend() == "gpu"
+  ceiling = matmul_ceiling(jnp.dtype(config.dtype), on_gpu)
+  limit = memory_limit_bytes(config.memory_limit_gb)
+  progress(f"matmul ceiling {ceiling:.1f} GFLOP/s ({config.dtype}); memory limit {limit / 2**30:.1f} GiB; "
+           f"memory measured: {config.memory}")
+  records = []
+  for job in jobs(config, ceiling, limit):
+    if config.memory == "process":
+      try:
+        rec = isolation.spawn("experiments.speed", job)
+      except subprocess.CalledProcessError as e:
+        if e.returncode != -9:  # anything but the OOM killer is a bug, not a result
+          raise RuntimeError(f"speed case {job} failed:\n{e.stderr[-3000:]}") from e
+        rec = dict(job, status="out_of_memory", killed=True)
+    else:
+      rec = measure(job)
+    records.append(rec)
+    if workdir:  # partial results survive an interrupted run
+      with open(os.path.join(workdir, "records.jsonl"), "a") as f:
+        f.write(json.dumps(rec) + "\n")
+    progress(f"L={rec['seq_len']:<7} {rec['method']:>26} {'causal' if rec['causal'] else 'bidir':>6} "
+             f"{rec['pass']:>7} {rec.get('median_s', float('nan')):9.4f}s "
+             f"{rec.get('peak_bytes', 0) / 2**20:9.0f} MB  {rec['status']}")
   return records
 
 
 def summarize(records, config) -> str:
   ok = [r for r in records if r["status"] == "ok"]
   t = {(r["method"], r["causal"], r["seq_len"], r["pass"]): r for r in records}
+  where = ("peak resident memory of the configuration's own process" if config.memory == "process"
+           else "XLA's compiled accounting")
+  err = any("rel_error" in r for r in records)
   lines = ["# Speed and memory study", "",
            f"B={config.batch}, H={config.heads}, D={config.head_dim}, M={config.num_features}, "
            f"{config.dtype}; median of {config.repeats}; matmul ceiling "
-           f"{records[0]['matmul_gflops_per_s']:.1f} GFLOP/s.", "",
-           "| L | method | causal | pass | time (s) | memory (MB) | GFLOP/s | of matmul |",
-           "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+           f"{records[0]['matmul_gflops_per_s']:.1f} GFLOP/s; memory: {where}; out_of_memory = the compiled "
+           f"program needs more than {records[0]['memory_limit_bytes'] / 2**30:.1f} GiB (its need in MB).", "",
+           "| L | method | causal | pass | time (s) | memory (MB) | GFLOP/s | of matmul |" + (" rel. error |" if err else ""),
+           "| --- | --- | --- | --- | --- | --- | --- | --- |" + (" --- |" if err else "")]
   for r in records:
+    head = f"| {r['seq_len']} | {r['method']} | {r['causal']} | {r['pass']} |"
+    tail = (f" {r['rel_error']:.1e} |" if "rel_error" in r else " |") if err else ""
     if r["status"] == "ok":
-      lines.append(f"| {r['seq_len']} | {r['method']} | {r['causal']} | {r['pass']} | {r['median_s']:.4f} | "
-                   f"{r['peak_bytes'] / 2**20:.0f} | {r['gflops_per_s']:.1f} | {r['fraction_of_matmul']:.0%} |")
+      lines.append(f"{head} {r['median_s']:.4f} | {r['peak_bytes'] / 2**20:.0f} | {r['gflops_per_s']:.1f} | "
+                   f"{r['fraction_of_matmul']:.0%} |{tail}")
     else:
-      lines.append(f"| {r['seq_len']} | {r['method']} | {r['causal']} | {r['pass']} | {r['status']} | "
-                   f"{r.get('peak_bytes', 0) / 2**20:.0f} | | |")
+      lines.append(f"{head} {r['status']} | {r.get('peak_bytes', 0) / 2**20:.0f} | | |{tail}")
   lines += ["", "## Ratios measured in this run", ""]
   for r in ok:
     key = (r["method"], r["causal"], r["seq_len"], r["pass"])
-    if r["method"] == "softmax" and not r["causal"]:
+    if r["method"] in EXACT and not r["causal"]:
       fav = t.get(("favor", False, r["seq_len"], r["pass"]))
       if fav and fav["status"] == "ok":
-        lines.append(f"- L={key[2]} {key[3]}: exact softmax / FAVOR+ bidirectional = "
+        lines.append(f"- L={key[2]} {key[3]}: {r['method']} / FAVOR+ bidirectional = "
                      f"{r['median_s'] / fav['median_s']:.1f}×")
     if r["method"] == "favor_scan":
       fav = t.get(("favor", True, r["seq_len"], r["pass"]))
       if fav and fav["status"] == "ok":
         lines.append(f"- L={key[2]} {key[3]}: scan / chunked causal = {r['median_s'] / fav['median_s']:.1f}×")
-  cross = [length for length in sorted({r["seq_len"] for r in ok})
-           if all(t.get((meth, False, length, "fwd"), {}).get("status") == "ok" for meth in ("favor", "softmax"))
-           and t[("favor", False, length, "fwd")]["median_s"] < t[("softmax", False, length, "fwd")]["median_s"]]
-  lines.append(f"- crossover: FAVOR+ bidirectional beats exact softmax from L={cross[0]}" if cross
-               else "- crossover: not reached in this sweep")
+  for exact in EXACT:
+    cross = [length for length in sorted({r["seq_len"] for r in ok})
+             if all(t.get((meth, False, length, "fwd"), {}).get("status") == "ok" for meth in ("favor", exact))
+             and t[("favor", False, length, "fwd")]["median_s"] < t[(exact, False, length, "fwd")]["median_s"]]
+    lines.append(f"- crossover: FAVOR+ bidirectional fwd beats {exact} from L={cross[0]}" if cross
+                 else f"- crossover: FAVOR+ bidirectional fwd does not beat {exact} in this sweep")
   return "\n".join(lines) + "\n"
 
 
 def plot(records, config, workdir):
   fig, axes = plotting.subplots(1, 2, figsize=(11, 4))
   series = sorted({(r["method"], r["causal"], r["pass"]) for r in records})
-  for method, causal, pass_ in series:
+  for name, causal, pass_ in series:
     pts = sorted((r["seq_len"], r) for r in records if (r["method"], r["causal"], r["pass"]) ==
-                 (method, causal, pass_) and r["status"] == "ok")
+                 (name, causal, pass_) and r["status"] == "ok")
     if not pts:
       continue
-    label = f"{method} {'causal' if causal else 'bidir'} {pass_}"
+    label = f"{name} {'causal' if causal else 'bidir'} {pass_}"
     axes[0].plot([x for x, _ in pts], [r["median_s"] for _, r in pts], marker="o", ms=3, label=label)
     axes[1].plot([x for x, _ in pts], [r["peak_bytes"] / 2**20 for _, r in pts], marker="o", ms=3, label=label)
   axes[0].set(xscale="log", yscale="log", xlabel="L", ylabel="time (s)")
-  axes[1].set(xscale="log", yscale="log", xlabel="L", ylabel="compiled memory (MB)")
+  axes[1].set(xscale="log", yscale="log", xlabel="L",
+              ylabel="peak memory, own process (MB)" if config.memory == "process" else "compiled memory (MB)")
   axes[0].legend(fontsize=6)
   fig.suptitle(f"B={config.batch} H={config.heads} D={config.head_dim} M={config.num_features} {config.dtype}")
   path = f"{workdir}/speed_memory_vs_length.png"
   return [plotting.save(fig, path)]
+
+
+if __name__ == "__main__":
+  isolation.child_main(measure)

@@ -55,13 +55,32 @@ def test_speed_quick_run_records_every_method(tmp_path):
 
   config = cfg.get_config()
   config.quick = True
+  config.memory = "compiled"  # one process; the per-process mode is tested below
+  config.dtype = "bfloat16"
   config.memory_limit_gb = 0.004  # exact attention at L=1024 (8 MB of logits) is "out of memory" here
   records = main.run(config, str(tmp_path))
   assert {r["method"] for r in records} == set(config.methods)
   ok = [r for r in records if r["status"] == "ok"]
   assert ok and all(r["median_s"] > 0 and r["gflops_per_s"] > 0 for r in ok)
   assert any(r["status"] == "out_of_memory" for r in records)
+  # bf16 in, float32 inside: every forward output within bf16 rounding of the float32 computation.
+  errors = {(r["method"], r["causal"], r["seq_len"]): r["rel_error"] for r in ok if r["pass"] == "fwd"}
+  assert errors and all(0 < e < 2e-2 for e in errors.values()), errors
   assert (tmp_path / "speed_memory_vs_length.png").exists()
+  assert len((tmp_path / "records.jsonl").read_text().splitlines()) == len(records)
+
+
+def test_speed_memory_is_measured_in_a_fresh_process():
+  from experiments import isolation, speed
+
+  job = dict(seq_len=1024, batch=1, heads=2, head_dim=16, num_features=32, dtype="float32", repeats=1,
+             memory="process", memory_limit_bytes=2 ** 34, scan_max_len=4096, matmul_gflops_per_s=1.0,
+             causal=False, **{"pass": "fwd"})
+  exact = isolation.spawn("experiments.speed", dict(job, method="softmax"))
+  favor = isolation.spawn("experiments.speed", dict(job, method="favor"))
+  logits = 1024 * 1024 * 2 * 4  # [H, L, L] float32: exact attention must hold them at least once
+  assert exact["status"] == favor["status"] == "ok"
+  assert exact["peak_bytes"] >= logits > favor["peak_bytes"] > 3 * 1024 * 2 * 16 * 4  # > its inputs
 
 
 def test_peers_without_torch_exits_with_install_hint(monkeypatch):
