@@ -15,7 +15,7 @@ export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 } 2>&1 | tee "$OUT/machine.txt"
 # The suite's core and layer tests on the GPU; 8 workers share it, so no preallocation.
 XLA_PYTHON_CLIENT_PREALLOCATE=false timeout "${TEST_TIMEOUT:-120}" \
-  python3 -m pytest -q -x -n 8 -p no:cacheprovider tests/core tests/layers 2>&1 | tail -25 | tee "$OUT/tests.txt"
+  python3 -m pytest -o addopts="" -q -x -n 8 -p no:cacheprovider tests/core tests/layers 2>&1 | tail -25 | tee "$OUT/tests.txt"
 timeout "${SPEED_TIMEOUT:-300}" python3 -m experiments.main --config=experiments/configs/speed.py \
   --workdir="$OUT/speed" --config.dtype=bfloat16 --config.memory=compiled \
   --config.seq_lens="(1024, 4096, 16384, 65536, 131072)" 2>&1 | grep -v "^|" | tail -60

@@ -118,14 +118,14 @@ def measure(job):
   fwd = functools.partial(method(job["method"], on_gpu), causal=job["causal"])
   fn = fwd if job["pass"] == "fwd" else jax.grad(
       lambda *a: jnp.sum(fwd(*a).astype(jnp.float32) ** 2), argnums=(0, 1, 2))
+  if job["method"] == "favor_scan" and length > job["scan_max_len"]:
+    return dict(rec, status="skipped_too_slow")
   try:
     compiled = jax.jit(fn).lower(q, k, v, p).compile()
     mem = compiled.memory_analysis()
     rec["compiled_bytes"] = int(mem.temp_size_in_bytes + mem.argument_size_in_bytes + mem.output_size_in_bytes)
     if rec["compiled_bytes"] > job["memory_limit_bytes"]:
       return dict(rec, status="out_of_memory", peak_bytes=rec["compiled_bytes"])
-    if job["method"] == "favor_scan" and length > job["scan_max_len"]:
-      return dict(rec, status="skipped_too_slow")
     if job["memory"] == "process":
       base = isolation.reset_peak_rss()
     rec["median_s"] = median_seconds(compiled, q, k, v, p, repeats=job["repeats"])
@@ -208,7 +208,8 @@ def summarize(records, config) -> str:
       lines.append(f"{head} {r['median_s']:.4f} | {r['peak_bytes'] / 2**20:.0f} | {r['gflops_per_s']:.1f} | "
                    f"{r['fraction_of_matmul']:.0%} |{tail}")
     else:
-      lines.append(f"{head} {r['status']} | {r.get('peak_bytes', 0) / 2**20:.0f} | | |{tail}")
+      need = f"{r['peak_bytes'] / 2**20:.0f}" if "peak_bytes" in r else ""  # no need known: compiling failed
+      lines.append(f"{head} {r['status']} | {need} | | |{tail}")
   lines += ["", "## Ratios measured in this run", ""]
   for r in ok:
     key = (r["method"], r["causal"], r["seq_len"], r["pass"])
