@@ -145,6 +145,7 @@ def linear_attention(
     as_is = lambda x: kernels_lib.LogFeatures(None, x.astype(jnp.float32))
     return as_is(qf), as_is(kf)
 
+  feature_fn.layout_free = True
   return _run(feature_fn, query_features, key_features, value, key_mask, causal,
               causal_method, chunk_size)
 
@@ -171,10 +172,19 @@ def _flat_rho(rho, query):
 
 
 def _feature_fn(kern, projection, rho_NH, causal):
-  """feature_fn(q, k) -> (LogFeatures, LogFeatures) on flattened [N, l, H, D] slices."""
+  """feature_fn(q, k) -> (LogFeatures, LogFeatures) on flattened [N, l, H, D] slices.
+
+  Our kernels are ``layout_free`` (per row, ρ aligned with the heads axis
+  whatever the leading dims); a user callable with its own key
+  stabiliser (a max over all positions) is ``whole_sequence``.
+  """
   if hasattr(kern, "log_features"):
-    kwargs = {} if rho_NH is None else {"rho": rho_NH}
-    return lambda q, k: kern.log_features(q, k, projection, **kwargs)
+    def feature_fn(q, k):
+      rho = {} if rho_NH is None else {"rho": rho_NH.reshape(q.shape[:-3] + q.shape[-2:-1])}
+      return kern.log_features(q, k, projection, **rho)
+
+    feature_fn.layout_free = True
+    return feature_fn
 
   def feature_fn(q, k):
     # stabilize=True would scale keys by a max over all positions, future ones included.
@@ -182,6 +192,7 @@ def _feature_fn(kern, projection, rho_NH, causal):
     return (kernels_lib.LogFeatures(None, qf.astype(jnp.float32)),
             kernels_lib.LogFeatures(None, kf.astype(jnp.float32)))
 
+  feature_fn.whole_sequence = not causal
   return feature_fn
 
 

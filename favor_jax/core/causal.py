@@ -42,8 +42,9 @@ def _rescaled_sum(a, b):
   return m, s1 * jnp.exp(m1 - safe)[..., None] + s2 * jnp.exp(m2 - safe)[..., None]
 
 
-def _parts(f, mask=None):
-  """(log, mult) with |mult| ≤ 1 and log broadcastable ([..., F] or [..., 1]); masked rows get log −∞.
+def _parts(f, keep=None):
+  """(log, mult) with |mult| ≤ 1 and log broadcastable ([..., F] or [..., 1]); rows where ``keep``
+  (broadcastable to log, e.g. mask[..., None, None] for [N, L, H, F]) is False get log −∞.
 
   Features given without a log part are split into a per-row scale and the
   row divided by it, so every algorithm sees the same normalised form.
@@ -53,9 +54,14 @@ def _parts(f, mask=None):
     peak = jax.lax.stop_gradient(jnp.max(jnp.abs(mult), axis=-1, keepdims=True))
     log = jnp.log(jnp.where(peak > 0, peak, 1.0))
     mult = mult / jnp.where(peak > 0, peak, 1.0)
-  if mask is not None:
-    log = jnp.where(mask[..., None, None], log, NEG_INF)
+  if keep is not None:
+    log = jnp.where(keep, log, NEG_INF)
   return log, mult
+
+
+def _keep(mask):
+  """An [N, L] (or [N]) key mask as the ``keep`` of L-major [N, L, H, F] features."""
+  return None if mask is None else mask[..., None, None]
 
 
 def _exp_times(log, offset, mult):
@@ -67,30 +73,85 @@ def _with_ones(v):
   return jnp.concatenate([v, jnp.ones(v.shape[:-1] + (1,), v.dtype)], axis=-1)
 
 
-def bidirectional(feature_fn, q, k, v, mask, axis_name=None):
-  """Σ over all unmasked keys; per-feature key scale m_f = max_j log φ(k_j)_f.
+# Keys (then queries) per step of the bidirectional pass: the [N, H, 512, F] features of one block
+# stay in cache. Fastest of 256/512/1024/2048 at L=16384 on a 2-core CPU (0.17 s against 0.54 s for
+# the whole sequence at once, whose [L, H, F] temporaries go to memory), fwd and fwd+bwd.
+BLOCK = 512
 
-  ``axis_name``: the keys are split along the sequence over this mesh axis
-  (inside ``shard_map``): one ``pmax`` of the key scales and one ``psum`` of
-  Σφ(k)vᵀ and Σφ(k) make every device's result the full one.
+
+def _head_major(feature_fn, q, k):
+  """feature_fn on [N, l, H, D] slices, returned head-major: log/mult [N, H, l, F] (log may be [..., 1]).
+
+  Layout-free feature maps (``feature_fn.layout_free``) are fed [N, H, l, 1, D]: heads become a
+  batch dimension, so the projection and every later product are plain batched matrix products.
   """
-  fq, fk = feature_fn(q, k)
-  log_q, mult_q = _parts(fq)
-  log_k, mult_k = _parts(fk, mask)
-  m_N1HF = jax.lax.stop_gradient(jnp.max(log_k, axis=1, keepdims=True))
+  if getattr(feature_fn, "layout_free", False):
+    to_hm = lambda x: jnp.swapaxes(x, 1, 2)[..., None, :]
+    back = lambda a: None if a is None else a[..., 0, :]
+    fq, fk = feature_fn(to_hm(q), to_hm(k))
+  else:
+    back = lambda a: None if a is None else jnp.swapaxes(a, 1, 2)
+    fq, fk = feature_fn(q, k)
+  return tuple(type(f)(back(f.log), back(f.mult)) for f in (fq, fk))
+
+
+def bidirectional(feature_fn, q, k, v, mask, axis_name=None):
+  """Σ over all unmasked keys; per-feature key scale μ_f = max_j log φ(k_j)_f.
+
+  Keys are folded in blocks of ``BLOCK`` with the rescaled-sum monoid (the scale
+  of the running sum grows with μ, as in online softmax), then every query block
+  reads the state. Feature maps that need the whole sequence at once
+  (``feature_fn.whole_sequence``) get one block. ``axis_name``: the keys are
+  split along the sequence over this mesh axis (inside ``shard_map``): one
+  ``pmax`` of μ and one ``psum`` of the rescaled Σφ(k)[v, 1]ᵀ make every
+  device's state the full one.
+  """
+  n, length, h = q.shape[:3]
+  whole = getattr(feature_fn, "whole_sequence", False)
+  cut = lambda x, start, size: jax.lax.dynamic_slice_in_dim(x, start, size, axis=1)
+
+  def fold(step, init, size):
+    """``step`` over [0, size) in blocks: a loop over the full ones, then the rest."""
+    block = max(size if whole else min(BLOCK, size), 1)
+    full, rest = divmod(size, block)
+    if full:  # the first block outside the loop: its result has the inputs' types (e.g. varying
+      init = step(init, 0, block)  # over a shard_map axis), which the loop's carry must have
+    out = jax.lax.fori_loop(1, full, lambda i, c: step(c, i * block, block), init)
+    return step(out, full * block, rest) if rest else out
+
+  if whole:  # one block each way: both sides' features from one call
+    fq_all, fk_all = _head_major(feature_fn, q, k)
+    key_features = lambda start, size: fk_all
+    query_features = lambda start, size: fq_all
+  else:  # each side alone: the other gets a zero-length slice
+    key_features = lambda start, size: _head_major(feature_fn, q[:, :0], cut(k, start, size))[1]
+    query_features = lambda start, size: _head_major(feature_fn, cut(q, start, size), k[:, :0])[0]
+
+  def add_keys(state, start, size):
+    fk = key_features(start, size)
+    keep = None if mask is None else cut(mask, start, size)[:, None, :, None]
+    log_k, mult_k = _parts(fk, keep)
+    mu_NHF = jax.lax.stop_gradient(jnp.max(log_k, axis=2))
+    k_hat = _exp_times(log_k, _finite_or_zero(mu_NHF)[:, :, None], mult_k)
+    v1_NHlE = _with_ones(jnp.swapaxes(cut(v, start, size), 1, 2))
+    return RecurrentState(*_rescaled_sum(state, (mu_NHF, jnp.einsum("nhlf,nhle->nhfe", k_hat, v1_NHlE))))
+
+  def read(out, start, size):
+    log_q, mult_q = _parts(query_features(start, size))
+    shifted = log_q + _finite_or_zero(mu_NHF)[:, :, None]
+    q_hat = _exp_times(shifted, jnp.max(shifted, axis=-1, keepdims=True), mult_q)
+    y_NlHE = jnp.swapaxes(jnp.einsum("nhlf,nhfe->nhle", q_hat, s_NHFE), 1, 2)
+    num, den = out
+    return (jax.lax.dynamic_update_slice_in_dim(num, y_NlHE[..., :-1], start, axis=1),
+            jax.lax.dynamic_update_slice_in_dim(den, y_NlHE[..., -1], start, axis=1))
+
+  mu_NHF, s_NHFE = fold(add_keys, initial_state(feature_fn, q, k, v), k.shape[1])
   if axis_name is not None:
-    m_N1HF = jax.lax.stop_gradient(jax.lax.pmax(m_N1HF, axis_name))
-  m_N1HF = _finite_or_zero(m_N1HF)
-  k_hat = _exp_times(log_k, m_N1HF, mult_k)
-  shifted = log_q + m_N1HF
-  q_hat = _exp_times(shifted, jnp.max(shifted, axis=-1, keepdims=True), mult_q)
-  kv_NHFD = jnp.einsum("nlhf,nlhd->nhfd", k_hat, v)
-  ksum_NHF = jnp.sum(k_hat, axis=1)
-  if axis_name is not None:
-    kv_NHFD, ksum_NHF = jax.lax.psum((kv_NHFD, ksum_NHF), axis_name)
-  num_NLHD = jnp.einsum("nlhf,nhfd->nlhd", q_hat, kv_NHFD)
-  den_NLH = jnp.einsum("nlhf,nhf->nlh", q_hat, ksum_NHF)
-  return num_NLHD, den_NLH
+    top = _finite_or_zero(jax.lax.stop_gradient(jax.lax.pmax(mu_NHF, axis_name)))
+    s_NHFE = jax.lax.psum(s_NHFE * jnp.exp(mu_NHF - top)[..., None], axis_name)
+    mu_NHF = top
+  return fold(read, (jnp.zeros((n, length, h, v.shape[-1]), jnp.float32),
+                     jnp.zeros((n, length, h), jnp.float32)), length)
 
 
 def _chunked_block(feature_fn, chunk, carry, q, k, v, mask):
@@ -103,7 +164,7 @@ def _chunked_block(feature_fn, chunk, carry, q, k, v, mask):
   """
   fq, fk = feature_fn(q, k)
   log_q, mult_q = _parts(fq)
-  log_k, mult_k = _parts(fk, mask)
+  log_k, mult_k = _parts(fk, _keep(mask))
   v1 = _with_ones(v)
   n, length, h = q.shape[:3]
   nc = length // chunk
@@ -198,7 +259,7 @@ def chunked(feature_fn, q, k, v, mask, *, chunk_size: int = 64, block_chunks: in
 
 def key_state(feature_fn, q, k, v, mask) -> "RecurrentState":
   """The state after all of this block's keys, from the empty state: (μ_f = max_j log φ(k_j)_f, S)."""
-  log_k, mult_k = _parts(feature_fn(q, k)[1], mask)
+  log_k, mult_k = _parts(feature_fn(q, k)[1], _keep(mask))
   mu_NHF = jax.lax.stop_gradient(jnp.max(log_k, axis=1))
   k_hat = _exp_times(log_k, _finite_or_zero(mu_NHF)[:, None], mult_k)
   return RecurrentState(mu_NHF, jnp.einsum("nlhf,nlhe->nhfe", k_hat, _with_ones(v)))
@@ -238,7 +299,7 @@ def advance(state: RecurrentState, fq, fk, v, mask=None):
   Returns (new state, numerator [N, H, Dv], denominator [N, H]).
   """
   log_q, mult_q = _parts(fq)
-  log_k, mult_k = _parts(fk, mask)
+  log_k, mult_k = _parts(fk, _keep(mask))
   new_mu = jnp.maximum(state.mu, jax.lax.stop_gradient(log_k))
   safe = _finite_or_zero(new_mu)
   s = (state.s * jnp.exp(state.mu - safe)[..., None]
@@ -266,7 +327,7 @@ def cumsum(feature_fn, q, k, v, mask):
   """Materialised prefix states S_t = Σ_{j≤t} φ(k_j)[v_j, 1]ᵀ: O(L·F·Dv) memory, for comparison."""
   fq, fk = feature_fn(q, k)
   log_q, mult_q = _parts(fq)
-  log_k, mult_k = _parts(fk, mask)
+  log_k, mult_k = _parts(fk, _keep(mask))
   m = jax.lax.stop_gradient(log_k)
   outer = jnp.einsum("nlhf,nlhe->nlhfe", _exp_times(log_k, _finite_or_zero(m), mult_k), _with_ones(v))
   mu, s = jax.lax.associative_scan(_rescaled_sum, (m, outer), axis=1)

@@ -79,6 +79,31 @@ def test_chunked_with_several_scan_blocks_matches_cumsum():
   np.testing.assert_allclose(outs[0], outs[1], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("name", ["positive", "trigonometric", "optimal_positive", "relu"])
+def test_bidirectional_blocks_equal_one_block(name, monkeypatch, maybe_jit):
+  # Keys folded block by block (rescaled as the per-feature max grows) and queries read block by
+  # block give the explicit quadratic form: 37 keys in blocks of 8 (+5), 19 queries (+3), a key
+  # mask that empties a whole block (its max is −∞) — outputs and gradients.
+  from favor_jax.core import causal as causal_lib
+
+  q, k, v = _qkv()
+  q = q[:, :19] * 2.0
+  proj = _proj()
+  mask = jnp.ones((B, L), bool).at[:, 8:16].set(False).at[0, 30].set(False)
+  rho = {"rho": kernels.oprf_rho(q, k, mask)} if name == "optimal_positive" else {}
+  raw_q, raw_k = kernels.KERNELS[name](q, k, proj, stabilize=False, **rho)
+
+  def run(block):  # a fresh function per block size: jit must not reuse the other trace
+    monkeypatch.setattr(causal_lib, "BLOCK", block)
+    fn = maybe_jit(lambda q, k, v, m: core.favor_attention(q, k, v, proj, kernel=name, key_mask=m))
+    return fn(q, k, v, mask), jax.grad(lambda *a: jnp.sum(fn(*a, mask) ** 2), argnums=(0, 1, 2))(q, k, v)
+
+  (out, grads), (_, one_block) = run(8), run(512)
+  np.testing.assert_allclose(out, _explicit(raw_q, raw_k, v, key_mask=mask), rtol=1e-4, atol=1e-4)
+  for blocked, whole in zip(grads, one_block):
+    np.testing.assert_allclose(blocked, whole, rtol=1e-4, atol=1e-5 * np.max(np.abs(whole)))
+
+
 @pytest.mark.parametrize("method", METHODS)
 def test_causal_gradients_match_across_methods(method):
   q, k, v = _qkv(length=21)
