@@ -160,49 +160,49 @@ def _chunked_block(feature_fn, chunk, carry, q, k, v, mask):
   carry = (μ [N, H, Fm], S [N, H, F, E]) with S_f = Σ_{j earlier} e^{log φ(k_j)_f − μ_f}[v_j, 1].
   Inside a chunk: the masked quadratic form with row scales b_j and the causal
   running max B_t = max_{j≤t} b_j. Across chunks: prefix states from an
-  associative scan of the rescaled-sum monoid.
+  associative scan of the rescaled-sum monoid. Head-major inside (see ``_head_major``).
   """
-  fq, fk = feature_fn(q, k)
+  fq, fk = _head_major(feature_fn, q, k)
   log_q, mult_q = _parts(fq)
-  log_k, mult_k = _parts(fk, _keep(mask))
-  v1 = _with_ones(v)
+  log_k, mult_k = _parts(fk, None if mask is None else mask[:, None, :, None])
+  v1 = _with_ones(jnp.swapaxes(v, 1, 2))
   n, length, h = q.shape[:3]
   nc = length // chunk
-  split = lambda x: None if x is None else x.reshape((n, nc, chunk) + x.shape[2:])
+  split = lambda x: None if x is None else x.reshape((n, h, nc, chunk, x.shape[-1]))
   log_q, mult_q, log_k, mult_k, v1 = map(split, (log_q, mult_q, log_k, mult_k, v1))
 
   # State carried across chunks, scaled per feature.
-  lam_NcHF = jax.lax.stop_gradient(jnp.max(log_k, axis=2))
-  local = _exp_times(log_k, _finite_or_zero(lam_NcHF)[:, :, None], mult_k)
-  local_NcHFE = jnp.einsum("ncjhf,ncjhe->nchfe", local, v1)
+  lam_NHcF = jax.lax.stop_gradient(jnp.max(log_k, axis=3))
+  local = _exp_times(log_k, _finite_or_zero(lam_NHcF)[:, :, :, None], mult_k)
+  local_NHcFE = jnp.einsum("nhcjf,nhcje->nhcfe", local, v1)
   mu_in, s_in = carry
-  ms = jnp.concatenate([mu_in[:, None], lam_NcHF], axis=1)
-  ss = jnp.concatenate([s_in[:, None], local_NcHFE], axis=1)
-  ms, ss = jax.lax.associative_scan(_rescaled_sum, (ms, ss), axis=1)
-  mu_NcHF, s_NcHFE = _finite_or_zero(ms[:, :nc]), ss[:, :nc]  # all keys before chunk c
+  ms = jnp.concatenate([mu_in[:, :, None], lam_NHcF], axis=2)
+  ss = jnp.concatenate([s_in[:, :, None], local_NHcFE], axis=2)
+  ms, ss = jax.lax.associative_scan(_rescaled_sum, (ms, ss), axis=2)
+  mu_NHcF, s_NHcFE = _finite_or_zero(ms[:, :, :nc]), ss[:, :, :nc]  # all keys before chunk c
 
   # Per-row scales inside the chunk; B_t looks only at keys j ≤ t.
-  a_NcCH = jax.lax.stop_gradient(jnp.max(log_q, axis=-1))
-  b_NcCH = jax.lax.stop_gradient(jnp.max(log_k, axis=-1))
-  big_b = jax.lax.cummax(b_NcCH, axis=2)
-  inter_log = log_q + mu_NcHF[:, :, None]
-  s_NcCH = jnp.maximum(jnp.max(jax.lax.stop_gradient(inter_log), axis=-1), a_NcCH + big_b)
-  s_NcCH = _finite_or_zero(s_NcCH)
+  a_NHcC = jax.lax.stop_gradient(jnp.max(log_q, axis=-1))
+  b_NHcC = jax.lax.stop_gradient(jnp.max(log_k, axis=-1))
+  big_b = jax.lax.cummax(b_NHcC, axis=3)
+  inter_log = log_q + mu_NHcF[:, :, :, None]
+  s_NHcC = jnp.maximum(jnp.max(jax.lax.stop_gradient(inter_log), axis=-1), a_NHcC + big_b)
+  s_NHcC = _finite_or_zero(s_NHcC)
 
-  q_inter = _exp_times(inter_log, s_NcCH[..., None], mult_q)
-  inter_NcCHE = jnp.einsum("ncthf,nchfe->ncthe", q_inter, s_NcHFE)
+  q_inter = _exp_times(inter_log, s_NHcC[..., None], mult_q)
+  inter_NHcCE = jnp.einsum("nhctf,nhcfe->nhcte", q_inter, s_NHcFE)
 
-  q_row = _exp_times(log_q, a_NcCH[..., None], mult_q)
-  k_row = _exp_times(log_k, _finite_or_zero(b_NcCH)[..., None], mult_k)
+  q_row = _exp_times(log_q, a_NHcC[..., None], mult_q)
+  k_row = _exp_times(log_k, _finite_or_zero(b_NHcC)[..., None], mult_k)
   tri_CC = jnp.tril(jnp.ones((chunk, chunk), bool))
-  b_j = jnp.moveaxis(b_NcCH, 2, -1)[:, :, :, None, :]  # [N, c, H, 1, C]
-  off_t = jnp.moveaxis(s_NcCH - a_NcCH, 2, -1)[..., None]  # [N, c, H, C, 1]
+  b_j = b_NHcC[..., None, :]  # [N, H, c, 1, C]
+  off_t = (s_NHcC - a_NHcC)[..., None]  # [N, H, c, C, 1]
   scale = jnp.exp(jnp.where(tri_CC & jnp.isfinite(b_j), b_j - _finite_or_zero(off_t), NEG_INF))
-  w_NcHCC = jnp.einsum("ncthf,ncjhf->nchtj", q_row, k_row) * scale
-  intra_NcCHE = jnp.einsum("nchtj,ncjhe->ncthe", w_NcHCC, v1)
+  w_NHcCC = jnp.einsum("nhctf,nhcjf->nhctj", q_row, k_row) * scale
+  intra_NHcCE = jnp.einsum("nhctj,nhcje->nhcte", w_NHcCC, v1)
 
-  y = (inter_NcCHE + intra_NcCHE).reshape((n, length, h, v1.shape[-1]))
-  return RecurrentState(ms[:, nc], ss[:, nc]), y
+  y = jnp.swapaxes((inter_NHcCE + intra_NHcCE).reshape((n, h, length, v1.shape[-1])), 1, 2)
+  return RecurrentState(ms[:, :, nc], ss[:, :, nc]), y
 
 
 def _pad_to(x, length, value=0):
