@@ -74,9 +74,9 @@ def _with_ones(v):
 
 
 # Keys (then queries) per step of the bidirectional pass: the [N, H, 512, F] features of one block
-# stay in cache. Fastest of 256/512/1024/2048 at L=16384 on a 2-core CPU: forward 0.19 s against
-# 0.54 s for the whole sequence at once (whose [L, H, F] temporaries go to memory), fwd+bwd 0.66 s
-# against 1.2 s.
+# stay in cache. Fastest of 256/512/1024/2048 at L=16384 on a 2-core CPU: forward 0.2–0.4 s (run
+# to run) against 0.54 s for the whole sequence at once (whose [L, H, F] temporaries go to memory),
+# fwd+bwd 0.66–0.83 s against 1.25 s.
 BLOCK = 512
 
 
