@@ -113,13 +113,13 @@ def measure(job):
   on_gpu = jax.default_backend() == "gpu"
   b, length, h, d, m = (job[f] for f in ("batch", "seq_len", "heads", "head_dim", "num_features"))
   rec = dict(job)
+  if job["method"] == "favor_scan" and length > job["scan_max_len"]:
+    return dict(rec, status="skipped_too_slow")
   q, k, v, p = inputs(length, batch=b, heads=h, head_dim=d, num_features=m, dtype=jnp.dtype(job["dtype"]),
                       seed=length)
   fwd = functools.partial(method(job["method"], on_gpu), causal=job["causal"])
   fn = fwd if job["pass"] == "fwd" else jax.grad(
       lambda *a: jnp.sum(fwd(*a).astype(jnp.float32) ** 2), argnums=(0, 1, 2))
-  if job["method"] == "favor_scan" and length > job["scan_max_len"]:
-    return dict(rec, status="skipped_too_slow")
   try:
     compiled = jax.jit(fn).lower(q, k, v, p).compile()
     mem = compiled.memory_analysis()
