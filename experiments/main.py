@@ -5,6 +5,8 @@
 Writes DIR/config.json, DIR/results.json (a list of flat records), DIR/summary.md
 and the study's *.png plots; training studies also write one subdirectory per
 run (metrics.jsonl, checkpoints/, loss.png) and resume from it when rerun.
+A --config.FIELD value applies to every variant of a sweep; one that a variant
+to run sets to another value stops the command, naming both.
 """
 
 from __future__ import annotations
@@ -44,16 +46,18 @@ def machine() -> dict:
 
 
 def run(config, workdir, overrides=None) -> list[dict]:
-  """Runs ``config``'s study; ``overrides`` (dotted fields) win over the quick version's values."""
+  """Runs ``config``'s study; ``overrides`` (dotted fields, the command line's) win over the quick version's
+  values and apply to every variant; one that a variant to run sets to another value stops the run."""
   if config.experiment not in STUDIES:
     raise ValueError(f"unknown experiment {config.experiment!r}; choose one of {sorted(STUDIES)}")
   if config.get("quick"):
     config_module = importlib.import_module(f"experiments.configs.{config.get('config_name', config.experiment)}")
     config = common.set_fields(config_module.apply_quick(config), overrides or {})
+  common.check_overrides(config, overrides or {})
+  workdir = common.check_workdir(workdir)
   if config.get("mesh") is not None and config.mesh.distributed:
     jax.distributed.initialize()  # multi-host: coordinator and process ids from the launcher's environment
   study = importlib.import_module(STUDIES[config.experiment])
-  os.makedirs(workdir, exist_ok=True)
   with open(os.path.join(workdir, "config.json"), "w") as f:
     json.dump(dict(config=config.to_dict(), machine=machine()), f, indent=1, default=str)
   start = time.time()

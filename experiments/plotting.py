@@ -1,6 +1,13 @@
-"""Figures for the studies: a headless matplotlib figure, saved and closed in one call."""
+"""Figures for the studies: headless matplotlib, readable axes, legends that cover no data."""
 
 from __future__ import annotations
+
+import itertools
+import math
+
+COLORS = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown", "tab:pink",
+          "tab:gray", "tab:olive", "tab:cyan")
+LINESTYLES = ("-", "--", ":", "-.")
 
 
 def subplots(*args, **kwargs):
@@ -12,8 +19,87 @@ def subplots(*args, **kwargs):
 
 
 def save(fig, path: str, dpi: int = 120) -> str:
+  """Saves and closes ``fig``; the canvas grows to hold a legend placed outside the axes."""
   import matplotlib.pyplot as plt
   fig.tight_layout()
-  fig.savefig(path, dpi=dpi)
+  fig.savefig(path, dpi=dpi, bbox_inches="tight")
   plt.close(fig)
   return path
+
+
+def styles(n: int) -> list[dict]:
+  """``n`` distinct (colour, line style) pairs: the ten colours with a solid line, then dashed, ..."""
+  if n > len(COLORS) * len(LINESTYLES):
+    raise ValueError(f"at most {len(COLORS) * len(LINESTYLES)} distinguishable series, got {n}")
+  pairs = itertools.product(LINESTYLES, COLORS)
+  return [dict(color=c, linestyle=ls) for ls, c in itertools.islice(pairs, n)]
+
+
+def short_number(n: int) -> str:
+  """256 → "256", 1024 → "1k", 131072 → "128k": tick labels that fit side by side."""
+  if n >= 1024 and n % 1024 == 0:
+    return f"{n // 1024}k"
+  return f"{n:g}" if isinstance(n, float) else str(n)
+
+
+def log2_ticks(ax, values, axis: str = "x") -> None:
+  """A base-2 log axis with one labelled tick per value in ``values`` (e.g. the M or L swept), no others."""
+  from matplotlib import ticker
+  values = sorted({v for v in values if v > 0})
+  getattr(ax, f"set_{axis}scale")("log", base=2)
+  target = getattr(ax, f"{axis}axis")
+  target.set_major_locator(ticker.FixedLocator(values))
+  target.set_major_formatter(ticker.FixedFormatter([short_number(v) for v in values]))
+  target.set_minor_locator(ticker.NullLocator())
+
+
+def plain_log(ax, axis: str = "y") -> None:
+  """A log axis labelled 0.5, 2, 1000, 1e-05 instead of 5×10⁻¹, 2×10⁰, 10³ (matplotlib's choice of ticks)."""
+  from matplotlib import ticker
+
+  class Plain(ticker.LogFormatter):
+    def _num_to_string(self, x, vmin, vmax):
+      return f"{x:.6g}"
+
+  getattr(ax, f"set_{axis}scale")("log")
+  target = getattr(ax, f"{axis}axis")
+  target.set_major_formatter(Plain())
+  target.set_minor_formatter(Plain(labelOnlyBase=False))
+
+
+def legend_right(fig, handles=None, labels=None, **kwargs):
+  """One legend for the whole figure, to the right of every panel (``save`` makes room for it)."""
+  if handles is None:
+    handles, labels = fig.axes[0].get_legend_handles_labels()
+  return fig.legend(handles, labels, loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=8,
+                    frameon=False, **kwargs)
+
+
+def training_curves(curves: dict[str, list[dict]], path: str) -> str:
+  """Train loss and the headline evaluation metric per step, one line per run, in one unit.
+
+  ``curves`` maps a run's name to its ``metrics.jsonl`` records. Runs that report ``eval_bpc`` (character
+  language models) are shown in bits/char on both panels; the others as loss in nats and eval accuracy.
+  """
+  bpc = all(any("eval_bpc" in r for r in records) for records in curves.values())
+  to_unit = (lambda nats: nats / math.log(2)) if bpc else (lambda nats: nats)
+  metric, metric_label = ("eval_bpc", "eval bits/char") if bpc else ("eval_accuracy", "eval accuracy")
+  fig, (ax_train, ax_eval) = subplots(1, 2, figsize=(10, 3.8))
+  for (name, records), style in zip(curves.items(), styles(len(curves))):
+    train = [r for r in records if r["kind"] == "train"]
+    evals = [r for r in records if r["kind"] == "eval" and metric in r]
+    ax_train.plot([r["step"] for r in train], [to_unit(r["train_loss"]) for r in train], label=name, **style)
+    ax_eval.plot([r["step"] for r in evals], [r[metric] for r in evals], marker=".", label=name, **style)
+  ax_train.set(xlabel="step", ylabel=f"train loss ({'bits/char' if bpc else 'nats'}, window mean)")
+  plain_log(ax_train)
+  ax_eval.set(xlabel="step", ylabel=metric_label)
+  if bpc:
+    plain_log(ax_eval)
+  for ax in (ax_train, ax_eval):
+    ax.grid(alpha=0.3)
+    ax.grid(alpha=0.1, which="minor", axis="y")
+  if len(curves) == 1:
+    fig.suptitle(next(iter(curves)))
+  else:
+    legend_right(fig)
+  return save(fig, path)

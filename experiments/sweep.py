@@ -17,18 +17,8 @@ from experiments.configs import common
 
 def variant_configs(config) -> list[tuple[str, object]]:
   """[(name, config with the variant's overrides)], filtered by ``config.only``; each one checked."""
-  variants = list(config.variants) or [("run", {})]
-  names = [name for name, _ in variants]
-  if len(set(names)) != len(names):
-    raise ValueError(f"variants must have distinct names, got {names}")
-  only = [n for n in config.only.split(",") if n]
-  unknown = sorted(set(only) - set(names))
-  if unknown:
-    raise ValueError(f"config.only names {unknown}, not among the variants {names}")
   out = []
-  for name, overrides in variants:
-    if only and name not in only:
-      continue
+  for name, overrides in common.selected_variants(config):
     c = common.set_fields(copy.deepcopy(config), overrides, what=f"variant {name!r} overrides")
     training.check_config(c)
     out.append((name, c))
@@ -56,7 +46,7 @@ def run(config, progress, workdir) -> list[dict]:
     progress(f"run {i + 1}/{len(runs)}: {name}")
     records, _ = training.train(c, os.path.join(workdir, name), progress=lambda m, n=name: progress(f"{n} {m}"))
     results.append(final_record(name, c, records))
-    plot_curves({name: records}, os.path.join(workdir, name, "loss.png"))
+    plotting.training_curves({name: records}, os.path.join(workdir, name, "loss.png"))
   return results
 
 
@@ -90,26 +80,10 @@ def summarize(records: list[dict], config) -> str:
   return "\n".join(lines) + "\n"
 
 
-def plot_curves(curves: dict[str, list[dict]], path: str, metric: str = "eval_loss") -> str:
-  fig, (ax_train, ax_eval) = plotting.subplots(1, 2, figsize=(11, 4))
-  for name, records in curves.items():
-    train = [r for r in records if r["kind"] == "train"]
-    evals = [r for r in records if r["kind"] == "eval"]
-    ax_train.plot([r["step"] for r in train], [r["train_loss"] for r in train], label=name)
-    ax_eval.plot([r["step"] for r in evals], [r[metric] for r in evals], marker=".", label=name)
-  ax_train.set(xlabel="step", ylabel="train loss (window mean)", yscale="log")
-  ax_eval.set(xlabel="step", ylabel=metric.replace("_", " "), yscale="linear" if "accuracy" in metric else "log")
-  for ax in (ax_train, ax_eval):
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-  return plotting.save(fig, path)
-
-
 def plot(records: list[dict], config, workdir: str) -> list[str]:
   import json
   curves = {}
   for r in records:
     with open(os.path.join(workdir, r["name"], "metrics.jsonl")) as f:
       curves[r["name"]] = [json.loads(line) for line in f]
-  metric = _main_metric(records)
-  return [plot_curves(curves, os.path.join(workdir, "curves.png"), metric)]
+  return [plotting.training_curves(curves, os.path.join(workdir, "curves.png"))]

@@ -24,6 +24,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from experiments import models, tasks
+from experiments.configs import common
 from favor_jax import core, layers
 from favor_jax.layers import linen as favor_linen
 
@@ -64,14 +65,15 @@ def check_config(config) -> None:
   _check(t.clip_norm >= 0 and t.weight_decay >= 0, "train.clip_norm and train.weight_decay must be >= 0")
   _check(isinstance(a.redraw_every, int) and a.redraw_every >= 0,
          f"attention.redraw_every must be a non-negative int (0 = never), got {a.redraw_every!r}")
-  if a.type == "favor":
-    _check(a.kernel in core.KERNELS, f"attention.kernel must be one of {sorted(core.KERNELS)}, got {a.kernel!r}")
-    _check(a.projection in layers.PROJECTIONS,
-           f"attention.projection must be one of {layers.PROJECTIONS}, got {a.projection!r}")
-    tasks.positive_int("attention.num_features", a.num_features)
-    tasks.positive_int("attention.chunk_size", a.chunk_size)
-  else:
-    _check(a.redraw_every == 0, f"attention.redraw_every={a.redraw_every} has no meaning for softmax attention")
+  # FAVOR's fields are checked for softmax runs too: a command-line value applies to every variant of a sweep.
+  _check(a.kernel in core.KERNELS,
+         f"attention.kernel must be one of {sorted(core.KERNELS)}, got {a.kernel!r}")
+  _check(a.projection in layers.PROJECTIONS,
+         f"attention.projection must be one of {layers.PROJECTIONS}, got {a.projection!r}")
+  tasks.positive_int("attention.num_features", a.num_features)
+  tasks.positive_int("attention.chunk_size", a.chunk_size)
+  _check(a.type == "favor" or a.redraw_every == 0,
+         f"attention.redraw_every={a.redraw_every} has no meaning for softmax attention")
   mesh = config.mesh
   for name in ("data", "sequence"):
     tasks.positive_int(f"mesh.{name}", mesh[name])
@@ -244,6 +246,46 @@ def _raise_if_nonfinite(state: TrainState) -> None:
                              "or use train.clip_norm > 0)")
 
 
+def _reason(error: Exception, width: int = 160) -> str:
+  text = " ".join(str(error).split())
+  return f"{type(error).__name__}: {text[:width]}{'…' if len(text) > width else ''}"
+
+
+def open_checkpoints(directory: str, state: TrainState, progress) -> tuple[ocp.CheckpointManager, TrainState]:
+  """The checkpoint manager of ``directory`` and the newest checkpoint that restores (else ``state``).
+
+  A step that does not restore (a truncated, zeroed or missing file) is skipped and, once an older step
+  restores, moved to ``directory/damaged/``: orbax saves no step at or before its newest one, so left in
+  place it would keep the resumed run from checkpointing. If no step restores, nothing is moved and a
+  ValueError names the directory.
+  """
+  directory = os.path.abspath(directory)
+  checkpoints = ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(max_to_keep=2))
+  damaged = []
+  for step in sorted(checkpoints.all_steps(), reverse=True):
+    try:
+      restored = checkpoints.restore(step, args=ocp.args.StandardRestore(state))
+    except Exception as e:  # orbax and tensorstore raise many types (JSON, tree structure, data loss, ...)
+      damaged.append((step, _reason(e)))
+      progress(f"the checkpoint at step {step} cannot be restored, skipping it ({damaged[-1][1]})")
+      continue
+    if damaged:
+      options = ocp.CheckpointManagerOptions(todelete_subdir="damaged")  # moved aside, not deleted
+      mover = ocp.CheckpointManager(directory, options=options)
+      for bad, _ in damaged:
+        mover.delete(bad)
+        progress(f"moved the damaged checkpoint at step {bad} to {os.path.join(directory, 'damaged')}")
+      checkpoints.reload()
+    progress(f"resumed from the checkpoint at step {int(restored.step)}")
+    return checkpoints, restored
+  if damaged:
+    reasons = "; ".join(f"step {s}: {r}" for s, r in damaged)
+    raise ValueError(f"no checkpoint in {directory} can be restored into this config's training state "
+                     f"({reasons}). If its files are damaged or were written by another config, move or "
+                     "delete that directory to start the run over.")
+  return checkpoints, state
+
+
 def train(config, workdir: str, progress=print, init_params=None) -> tuple[list[dict], TrainState]:
   """Trains (or resumes) one configuration in ``workdir``; returns the metric records and the final state.
 
@@ -254,19 +296,17 @@ def train(config, workdir: str, progress=print, init_params=None) -> tuple[list[
   check_config(config)
   t = config.train
   end = t.stop_after or t.steps
-  os.makedirs(workdir, exist_ok=True)
+  common.check_workdir(workdir, "the run directory")
   mesh = make_mesh(config.mesh)
+  progress(f"building the {config.task} task (fetching its data if not cached)")
   task = tasks.make_task(config)
+  progress("initialising the model and optimiser")
   model = models.make_model(config, task.vocab_size, task.num_classes, task.max_len, mesh)
   optimizer = make_optimizer(t)
   state = init_state(config, model, task, optimizer, init_params)
   shardings = state_shardings(state, mesh, config.mesh.fsdp)
   state = jax.device_put(state, shardings)
-  checkpoints = ocp.CheckpointManager(os.path.abspath(os.path.join(workdir, "checkpoints")),
-                                      options=ocp.CheckpointManagerOptions(max_to_keep=2))
-  if checkpoints.latest_step() is not None:
-    state = checkpoints.restore(checkpoints.latest_step(), args=ocp.args.StandardRestore(state))
-    progress(f"resumed from the checkpoint at step {int(state.step)}")
+  checkpoints, state = open_checkpoints(os.path.join(workdir, "checkpoints"), state, progress)
   step, position = int(state.step), int(state.data_position)
   log = MetricsLog(os.path.join(workdir, "metrics.jsonl"), keep_through=step)
   train_step = make_train_step(model, optimizer, config.attention.redraw_every, jax.random.PRNGKey(t.seed + 1),
@@ -274,7 +314,10 @@ def train(config, workdir: str, progress=print, init_params=None) -> tuple[list[
   evaluate = make_eval(model, task, mesh)
   lr = make_lr(t)
   if step == 0:
+    progress("compiling and running the evaluation at step 0")
     log.write(dict(kind="eval", step=0, **evaluate(state)))
+  if step < end:
+    progress(f"compiling the train step (step {step + 1} of {t.steps})")
   start, start_step = time.time(), step
   while step < end:
     state = train_step(state, put_batch(task.train_batch(position), mesh))

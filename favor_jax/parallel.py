@@ -79,7 +79,7 @@ def sequence_parallel_attention(
   if data_dependent and rho is None:
     raise ValueError(f"kernel {kernel!r} needs an explicit rho [..., H] under sequence parallelism "
                      "(e.g. favor_jax.core.oprf_rho(query, key) computed by the caller, or a running ρ)")
-  checks.check_chunk_size(chunk_size)
+  chunk_size = checks.check_chunk_size(chunk_size)
 
   batch, length = query.shape[:-3], query.shape[-3]
   q, k, v = (attention_lib._flatten(x, batch) for x in (query, key, value))
@@ -92,13 +92,14 @@ def sequence_parallel_attention(
   feature_fn = attention_lib._feature_fn(kern, projection, rho_NH, causal=True)
 
   def local(q, k, v, mask):
+    q, k, v, bad, _ = causal_lib.split_nonfinite(q, k, v, mask, causal=causal, axis_name=axis_name)
     v = v.astype(jnp.float32)
     if causal:
       prefix = causal_lib.exclusive_prefix(causal_lib.key_state(feature_fn, q, k, v, mask), axis_name)
       num, den = causal_lib.chunked(feature_fn, q, k, v, mask, chunk_size=chunk_size, state=prefix)
     else:
       num, den = causal_lib.bidirectional(feature_fn, q, k, v, mask, axis_name=axis_name)
-    return attention_lib._divide(num, den)
+    return causal_lib.poison(attention_lib._divide(num, den), bad)
 
   if batch_axis is not None and q.shape[0] % mesh.shape[batch_axis]:
     batch_axis = None  # a layout hint only: a batch the axis does not divide (e.g. at init) is replicated

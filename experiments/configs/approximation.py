@@ -10,7 +10,7 @@ import ml_collections
 def get_config():
   config = ml_collections.ConfigDict()
   config.experiment = "approximation"  # which study experiments.main runs
-  config.quick = False  # True: a seconds-long smoke version (fewer kernels, M values and draws)
+  config.quick = False  # True: a smoke version, about 20 s on 2 CPU cores (fewer kernels, M values, draws)
   config.seed = 0  # seed of the inputs and of the projection draws
   config.num_draws = 20  # projection draws averaged per configuration (>= 20 for published numbers)
   # Sweeps.

@@ -1,4 +1,10 @@
-"""Fields every training config shares (model, attention, optimiser, logging); each config overrides some."""
+"""Fields every training config shares (model, attention, optimiser, logging); each config overrides some.
+
+Also the rules every study shares: dotted overrides, variants, the work directory.
+"""
+
+import os
+import tempfile
 
 import ml_collections
 
@@ -16,6 +22,70 @@ def set_fields(config, fields: dict, what: str = "override"):
       raise ValueError(f"{what} {field!r} is not a config field")
     node[leaf] = value
   return config
+
+
+def selected_variants(config) -> list[tuple[str, dict]]:
+  """``config.variants`` filtered by ``config.only`` (names checked); no variants = one run named "run"."""
+  variants = list(config.variants) or [("run", {})]
+  names = [name for name, _ in variants]
+  if len(set(names)) != len(names):
+    raise ValueError(f"variants must have distinct names, got {names}")
+  only = [n for n in config.only.split(",") if n]
+  unknown = sorted(set(only) - set(names))
+  if unknown:
+    raise ValueError(f"config.only names {unknown}, not among the variants {names}")
+  return [(name, dict(fields)) for name, fields in variants if not only or name in only]
+
+
+def _overlap(a: str, b: str) -> bool:
+  """Whether setting dotted field ``a`` and setting ``b`` touch the same value."""
+  return a == b or a.startswith(b + ".") or b.startswith(a + ".")
+
+
+def check_overrides(config, overrides: dict) -> None:
+  """Stops when a command-line value would be replaced by a variant that is to run.
+
+  A variant's fields are set after the command line's, so an override of a
+  field that a selected variant sets to another value would be lost; an
+  override of a field no selected variant sets applies to every variant.
+  """
+  if "variants" not in config or not overrides:
+    return
+  clashes = {}
+  for name, fields in selected_variants(config):
+    for field, value in overrides.items():
+      for vfield, vvalue in fields.items():
+        if _overlap(field, vfield) and (field != vfield or vvalue != value):
+          clashes.setdefault(f"--config.{field}={value}", []).append(f"{name} ({vfield}={vvalue!r})")
+  if clashes:
+    lines = [f"{flag} would be replaced by variant{'s' * (len(names) > 1)} {', '.join(names)}"
+             for flag, names in clashes.items()]
+    raise ValueError("command-line values conflict with the config's variants, which set the same fields:\n  "
+                     + "\n  ".join(lines) + "\nRun only variants that leave the field alone "
+                     "(--config.only=NAMES), give the runs you want (--config.variants=...), or edit the "
+                     "variants in the config file.")
+
+
+def check_workdir(path, what: str = "--workdir") -> str:
+  """Creates the directory ``path`` if needed; a ValueError naming ``what`` when it cannot be written to."""
+  if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
+    raise ValueError(f"{what} must be a directory path, got {path!r}")
+  path = os.fspath(path)
+  ancestor = os.path.abspath(path)
+  while not os.path.exists(ancestor):
+    ancestor = os.path.dirname(ancestor)
+  if not os.path.isdir(ancestor):
+    where = "" if ancestor == os.path.abspath(path) else f" lies under {ancestor}, which"
+    raise ValueError(f"{what}={path}{where} is a file, not a directory: give a directory (one that does "
+                     "not exist yet is created)")
+  try:
+    os.makedirs(path, exist_ok=True)
+    with tempfile.TemporaryFile(dir=path):  # writing a file is the test that holds for ACLs, mounts and root
+      pass
+  except OSError as e:
+    problem = "is not writable" if os.path.isdir(path) else "cannot be created"
+    raise ValueError(f"{what}={path} {problem} ({e.strerror}): give a directory you can write to") from e
+  return path
 
 
 def training_config(name: str, task: str) -> ml_collections.ConfigDict:

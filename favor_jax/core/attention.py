@@ -26,6 +26,7 @@ def _validate(query, key, value, key_mask, causal, q_name="query", k_name="key")
     checks.check_qk(query, key)
   except (TypeError, ValueError) as e:
     raise type(e)(str(e).replace("query", q_name).replace("key", k_name)) from None
+  checks.check_lengths(query, key)
   checks.check_value(key, value)
   checks.check_key_mask(key_mask, key.shape)
   if causal:
@@ -62,10 +63,13 @@ def _ratio_jvp(primals, tangents):
 
 
 def _divide(num, den):
-  """num / den, with 0 where nothing was attended to (all keys masked, or a vanishing denominator)."""
+  """num / den, with 0 where nothing was attended to (all keys masked, or a vanishing denominator).
+
+  A NaN denominator stays NaN: a non-finite number never turns into a silent 0.
+  """
   den = den[..., None]
-  ok = jnp.abs(den) > _TINY_DEN
-  return jnp.where(ok, _ratio(num, jnp.where(ok, den, 1.0)), 0.0)
+  empty = jnp.abs(den) <= _TINY_DEN
+  return jnp.where(empty, 0.0, _ratio(num, jnp.where(empty, 1.0, den)))
 
 
 def _out_dtype(*xs):
@@ -85,40 +89,36 @@ def softmax_attention(
   A query that can see no key (all masked) returns 0.
   """
   _validate(query, key, value, key_mask, causal)
+  batch = query.shape[:-3]
+  mask = _mask_NL(key_mask, key)
+  q, k, v, bad, _ = causal_lib.split_nonfinite(*(_flatten(x, batch) for x in (query, key, value)), mask,
+                                              causal=causal)
   f32 = jnp.float32
-  logits = jnp.einsum("...qhd,...khd->...hqk", query.astype(f32), key.astype(f32))
-  logits = logits / math.sqrt(query.shape[-1])
-  allowed = jnp.ones(logits.shape[-2:], bool)
+  logits = jnp.einsum("nqhd,nkhd->nhqk", q.astype(f32), k.astype(f32)) / math.sqrt(query.shape[-1])
+  allowed = mask[:, None, None, :]
   if causal:
-    allowed = jnp.tril(allowed)
-  if key_mask is not None:
-    allowed = allowed & key_mask[..., None, None, :]
+    allowed = allowed & jnp.tril(jnp.ones(logits.shape[-2:], bool))
   logits = jnp.where(allowed, logits, -jnp.inf)
   peak = jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
   weights = jnp.exp(logits - jnp.where(jnp.isfinite(peak), peak, 0.0))
-  num = jnp.einsum("...hqk,...khd->...qhd", weights, value.astype(f32))
-  den = jnp.moveaxis(jnp.sum(weights, axis=-1), -2, -1)
-  return _divide(num, den).astype(_out_dtype(query, key, value))
+  num = jnp.einsum("nhqk,nkhd->nqhd", weights, v.astype(f32))
+  out = causal_lib.poison(_divide(num, jnp.moveaxis(jnp.sum(weights, axis=-1), -2, -1)), bad)
+  return out.reshape(batch + out.shape[1:]).astype(_out_dtype(query, key, value))
 
 
 def _run(feature_fn, query, key, value, key_mask, causal, causal_method, chunk_size):
   batch = query.shape[:-3]
-  q, k, v = (_flatten(x, batch) for x in (query, key, value))
-  v = v.astype(jnp.float32)
   mask = _mask_NL(key_mask, key)
+  q, k, v, bad, _ = causal_lib.split_nonfinite(*(_flatten(x, batch) for x in (query, key, value)), mask,
+                                              causal=causal)
+  v = v.astype(jnp.float32)
   if not causal:
     num, den = causal_lib.bidirectional(feature_fn, q, k, v, mask)
+  elif causal_method == "chunked":
+    num, den = causal_lib.chunked(feature_fn, q, k, v, mask, chunk_size=chunk_size)
   else:
-    if causal_method not in causal_lib.CAUSAL_METHODS:
-      raise ValueError(
-          f"unknown causal_method {causal_method!r}; choose one of {sorted(causal_lib.CAUSAL_METHODS)}")
-    algo = causal_lib.CAUSAL_METHODS[causal_method]
-    if causal_method == "chunked":
-      checks.check_chunk_size(chunk_size)
-      num, den = algo(feature_fn, q, k, v, mask, chunk_size=chunk_size)
-    else:
-      num, den = algo(feature_fn, q, k, v, mask)
-  out = _divide(num, den)
+    num, den = causal_lib.CAUSAL_METHODS[causal_method](feature_fn, q, k, v, mask)
+  out = causal_lib.poison(_divide(num, den), bad)
   return out.reshape(batch + out.shape[1:]).astype(_out_dtype(query, key, value))
 
 
@@ -140,6 +140,8 @@ def linear_attention(
   forming A. Rows with a zero denominator return 0. Features are used as given.
   """
   _validate(query_features, key_features, value, key_mask, causal, "query_features", "key_features")
+  checks.check_causal_method(causal_method)
+  chunk_size = checks.check_chunk_size(chunk_size)
 
   def feature_fn(qf, kf):
     as_is = lambda x: kernels_lib.LogFeatures(None, x.astype(jnp.float32))
@@ -225,6 +227,8 @@ def favor_attention(
   FAVOR++ statistic, required for ``optimal_positive`` when ``causal``.
   """
   _validate(query, key, value, key_mask, causal)
+  checks.check_causal_method(causal_method)
+  chunk_size = checks.check_chunk_size(chunk_size)
   kern, data_dependent = _resolve_kernel(kernel, projection, rho, query)
   if data_dependent and rho is None:
     if causal:  # the kernel raises its own explanation
@@ -246,12 +250,23 @@ def favor_decode_init(
   State: S = Σ_j e^{log φ(k_j) − μ}[v_j, 1]ᵀ per head ([N, H, F, Dv+1], N the
   flattened batch) and μ, the running per-feature maximum of log φ(k_j).
   """
-  kern = kernels_lib.get_kernel(kernel)
-  rho = jnp.zeros(query.shape[:-3] + query.shape[-2:-1]) if getattr(kern, "data_dependent", False) else None
+  _validate(query, query, value, None, True)
+  kern, data_dependent = _resolve_kernel(kernel, projection, None, query)
+  rho = jnp.zeros(query.shape[:-3] + query.shape[-2:-1]) if data_dependent else None
   feature_fn = _feature_fn(kern, projection, _flat_rho(rho, query), True)
   batch = query.shape[:-3]
-  return causal_lib.initial_state(feature_fn, _flatten(query, batch), _flatten(query, batch),
-                                  _flatten(value, batch))
+  q, v = _flatten(query, batch), _flatten(value, batch)
+  return causal_lib.initial_state(feature_fn, q, q, v)
+
+
+def _check_state(state, want) -> None:
+  shapes = lambda s: tuple(getattr(x, "shape", None) for x in s)
+  if not isinstance(state, tuple) or len(state) != 2 or shapes(state) != shapes(want):
+    got = shapes(state) if isinstance(state, tuple) and len(state) == 2 else type(state).__name__
+    raise ValueError(
+        f"state (mu, s) has shapes {got}; these inputs need {shapes(want)} ([N, H, Fm] and "
+        "[N, H, F, Dv+1]: flattened batch, heads, features, value size). Decode with the batch, "
+        "heads, projection and value size the state was made for (favor_decode_init).")
 
 
 def favor_decode_step(
@@ -272,17 +287,23 @@ def favor_decode_step(
 
   (with the running stabiliser). One token costs O(M·(D+Dv)); a longer step
   (a prompt) runs the chunked algorithm. Steps over tokens 0..t give the same
-  outputs as ``favor_attention(..., causal=True)``.
+  outputs as ``favor_attention(..., causal=True)``. A non-finite key or value
+  makes this and every later output NaN (the returned state is NaN).
   """
   _validate(query, key, value, key_mask, True)
+  chunk_size = checks.check_chunk_size(chunk_size)
   kern, data_dependent = _resolve_kernel(kernel, projection, rho, query)
   if data_dependent and rho is None:
     kern.log_features(query, key, projection, causal=True)  # raises: FAVOR++ needs rho here
   feature_fn = _feature_fn(kern, projection, _flat_rho(rho, query), True)
   batch = query.shape[:-3]
   q, k, v = (_flatten(x, batch) for x in (query, key, value))
-  v = v.astype(jnp.float32)
+  _check_state(state, jax.eval_shape(lambda q, k, v: causal_lib.initial_state(feature_fn, q, k, v), q, k, v))
   mask = _mask_NL(key_mask, key)
+  poisoned = ~jnp.all(jnp.isfinite(state.s), axis=(-2, -1)) | jnp.any(jnp.isnan(state.mu), axis=-1)
+  q, k, v, bad, poisoned = causal_lib.split_nonfinite(q, k, v, mask, causal=True, prior=poisoned)
+  v = v.astype(jnp.float32)
+  state = causal_lib.RecurrentState(*(jnp.where(jnp.isfinite(x) | jnp.isneginf(x), x, 0.0) for x in state))
   if q.shape[1] == 1:
     fq, fk = feature_fn(q, k)
     first = lambda f: kernels_lib.LogFeatures(*(None if x is None else x[:, 0] for x in f))
@@ -291,5 +312,7 @@ def favor_decode_step(
   else:
     num, den, state = causal_lib.chunked(feature_fn, q, k, v, mask, chunk_size=chunk_size, state=state,
                                          return_state=True)
-  out = _divide(num, den)
+  state = causal_lib.RecurrentState(*(jnp.where(poisoned.reshape(poisoned.shape + (1,) * (x.ndim - 2)),
+                                                jnp.nan, x) for x in state))
+  out = causal_lib.poison(_divide(num, den), bad)
   return state, out.reshape(batch + out.shape[1:]).astype(_out_dtype(query, key, value))

@@ -26,7 +26,49 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array
 
+from favor_jax.core.kernels import LogFeatures
+
 NEG_INF = -jnp.inf
+
+
+def split_nonfinite(q, k, v, mask, *, causal: bool, axis_name=None, prior=None):
+  """Non-finite inputs, taken out of the computation and marked (one rule for every algorithm).
+
+  Returns q, k, v with non-finite entries set to 0, and ``bad`` [N, Lq, H]: the
+  rows whose exact output depends on a non-finite input — their own query, or
+  an unmasked key or value they may see (j ≤ t if ``causal``). Masked keys are
+  absent, whatever they hold. ``axis_name``: the sequence is split over this
+  mesh axis (inside ``shard_map``); keys on earlier devices count as seen (all
+  devices', if not causal). ``prior`` [N, H]: a non-finite key came before
+  (a poisoned decode state). Also returns ``seen`` [N, H]: whether the keys
+  up to the last position held one (the state after them is poisoned).
+  """
+  finite = lambda x: jnp.all(jnp.isfinite(x), axis=-1)
+  bad_kv = ~(finite(k) & finite(v)) & mask[:, :, None]
+  if prior is not None:
+    bad_kv = bad_kv.at[:, 0].set(bad_kv[:, 0] | prior)
+  if causal:
+    seen = jax.lax.associative_scan(jnp.logical_or, bad_kv, axis=1)
+    if axis_name is not None:
+      any_P = jax.lax.all_gather(jnp.any(bad_kv, axis=1), axis_name)  # [devices, N, H]
+      earlier_P = jnp.arange(any_P.shape[0]) < jax.lax.axis_index(axis_name)
+      seen = seen | jnp.any(any_P & earlier_P[:, None, None], axis=0)[:, None]
+  else:
+    seen = jnp.any(bad_kv, axis=1, keepdims=True)
+    if axis_name is not None:
+      seen = jax.lax.psum(seen.astype(jnp.int32), axis_name) > 0
+  zero = lambda x: jnp.where(jnp.isfinite(x), x, jnp.zeros((), x.dtype))
+  return zero(q), zero(k), zero(v), ~finite(q) | seen, seen[:, -1]
+
+
+def poison(out, bad):
+  """NaN in the rows ``bad`` [N, L, H] of out [N, L, H, Dv], as exact attention gives.
+
+  Added, so that gradients pass through unchanged: those of other rows are what
+  they would be without the non-finite input (a product with NaN would make
+  every gradient NaN, also of losses on earlier rows, through 0·NaN).
+  """
+  return out + jnp.where(bad[..., None], jnp.nan, 0.0)
 
 
 def _finite_or_zero(m):
@@ -162,55 +204,81 @@ def bidirectional(feature_fn, q, k, v, mask, axis_name=None):
   return tuple(jnp.swapaxes(y, 1, 2) for y in ys)
 
 
+# The intra-chunk terms of row t are taken against the chunk's per-feature key maximum (one matrix
+# product for the whole chunk). A key later in the chunk can raise that maximum above everything row t
+# may see; once it does by more than this many e-folds, row t's terms would fall below float32's range,
+# and the block is computed by the per-token recurrence instead (the same estimator, exact, slower).
+# The terms so dropped are below e^{-(87 - 40)} of the row's largest.
+SAFE_GAP = 40.0
+
+
+def _running_max(x, axis):
+  """Inclusive running maximum along ``axis`` in log depth (``lax.cummax`` is a quadratic window on CPU)."""
+  return jax.lax.associative_scan(jnp.maximum, x, axis=axis)
+
+
 def _chunked_block(feature_fn, chunk, carry, q, k, v, mask):
   """Causal pass over one block (a multiple of ``chunk``), given the state of all earlier keys.
 
   carry = (μ [N, H, Fm], S [N, H, F, E]) with S_f = Σ_{j earlier} e^{log φ(k_j)_f − μ_f}[v_j, 1].
-  Inside a chunk: the masked quadratic form with row scales b_j and the causal
-  running max B_t = max_{j≤t} b_j. Across chunks: prefix states from an
-  associative scan of the rescaled-sum monoid. Head-major inside (see ``_head_major``).
+  Every query row t is scaled by its exact largest term s_t = max over the keys
+  j ≤ t and features f of log φ(q_t)_f + log φ(k_j)_f (online-softmax style, so
+  no row falls below the float range while the per-token scan's does not).
+  Across chunks: prefix states from an associative scan of the rescaled-sum
+  monoid. Inside a chunk: one product against the chunk's per-feature key
+  maximum λ_f, checked against s_t (``SAFE_GAP``), else the per-token
+  recurrence. Head-major inside (see ``_head_major``).
   """
   fq, fk = _head_major(feature_fn, q, k)
   log_q, mult_q = _parts(fq)
   log_k, mult_k = _parts(fk, None if mask is None else mask[:, None, :, None])
-  v1 = _with_ones(jnp.swapaxes(v, 1, 2))
+  v_NHlD = jnp.swapaxes(v, 1, 2)
   n, length, h = q.shape[:3]
   nc = length // chunk
   split = lambda x: None if x is None else x.reshape((n, h, nc, chunk, x.shape[-1]))
-  log_q, mult_q, log_k, mult_k, v1 = map(split, (log_q, mult_q, log_k, mult_k, v1))
 
-  # State carried across chunks, scaled per feature.
-  lam_NHcF = jax.lax.stop_gradient(jnp.max(log_k, axis=3))
-  local = _exp_times(log_k, _finite_or_zero(lam_NHcF)[:, :, :, None], mult_k)
-  local_NHcFE = jnp.einsum("nhcjf,nhcje->nhcfe", local, v1)
-  mu_in, s_in = carry
-  ms = jnp.concatenate([mu_in[:, :, None], lam_NHcF], axis=2)
-  ss = jnp.concatenate([s_in[:, :, None], local_NHcFE], axis=2)
-  ms, ss = jax.lax.associative_scan(_rescaled_sum, (ms, ss), axis=2)
-  mu_NHcF, s_NHcFE = _finite_or_zero(ms[:, :, :nc]), ss[:, :, :nc]  # all keys before chunk c
+  # Exact row maxima, from per-feature running maxima of the keys (all offsets: constants under grad).
+  lg_q, lg_k = jax.lax.stop_gradient(split(log_q)), jax.lax.stop_gradient(split(log_k))
+  lam_NHcF = jnp.max(lg_k, axis=3)
+  mu_in = jax.lax.stop_gradient(carry.mu)
+  seen_before = _running_max(jnp.concatenate([mu_in[:, :, None], lam_NHcF], axis=2), axis=2)
+  mu_NHcF = seen_before[:, :, :nc]  # max over all keys before chunk c (−∞: none)
+  row_max = lambda log_kf: jnp.max(lg_q + log_kf, axis=-1)
+  s_raw = jnp.maximum(row_max(mu_NHcF[:, :, :, None]), row_max(_running_max(lg_k, axis=3)))
+  s_NHcC = _finite_or_zero(s_raw)
+  s_chunk = row_max(_finite_or_zero(lam_NHcF)[:, :, :, None])  # the scale of the one-product form
+  safe = ~jnp.any(jnp.isfinite(s_raw) & (s_chunk - s_raw > SAFE_GAP))
 
-  # Per-row scales inside the chunk; B_t looks only at keys j ≤ t.
-  a_NHcC = jax.lax.stop_gradient(jnp.max(log_q, axis=-1))
-  b_NHcC = jax.lax.stop_gradient(jnp.max(log_k, axis=-1))
-  big_b = jax.lax.cummax(b_NHcC, axis=3)
-  inter_log = log_q + mu_NHcF[:, :, :, None]
-  s_NHcC = jnp.maximum(jnp.max(jax.lax.stop_gradient(inter_log), axis=-1), a_NHcC + big_b)
-  s_NHcC = _finite_or_zero(s_NHcC)
+  def one_product(carry):
+    lq, mq, lk, mk, v1 = map(split, (log_q, mult_q, log_k, mult_k, _with_ones(v_NHlD)))
+    local = _exp_times(lk, _finite_or_zero(lam_NHcF)[:, :, :, None], mk)
+    local_NHcFE = jnp.einsum("nhcjf,nhcje->nhcfe", local, v1)
+    ms = jnp.concatenate([carry.mu[:, :, None], lam_NHcF], axis=2)
+    ss = jnp.concatenate([carry.s[:, :, None], local_NHcFE], axis=2)
+    ms, ss = jax.lax.associative_scan(_rescaled_sum, (ms, ss), axis=2)
+    # Keys before chunk c: S scaled by μ (finite where any such key has a finite feature).
+    q_inter = _exp_times(lq + mu_NHcF[:, :, :, None], s_NHcC[..., None], mq)
+    inter_NHcCE = jnp.einsum("nhctf,nhcfe->nhcte", q_inter, ss[:, :, :nc])
+    q_chunk = _exp_times(lq + _finite_or_zero(lam_NHcF)[:, :, :, None], s_chunk[..., None], mq)
+    gain = jnp.exp(jnp.minimum(s_chunk - s_NHcC, SAFE_GAP))[..., None]  # e^{s_chunk − s_t}
+    w_NHcCC = jnp.einsum("nhctf,nhcjf->nhctj", q_chunk, local) * gain
+    w_NHcCC = jnp.where(jnp.tril(jnp.ones((chunk, chunk), bool)), w_NHcCC, 0.0)
+    y = inter_NHcCE + jnp.einsum("nhctj,nhcje->nhcte", w_NHcCC, v1)
+    return RecurrentState(ms[:, :, nc], ss[:, :, nc]), y.reshape((n, h, length, -1))
 
-  q_inter = _exp_times(inter_log, s_NHcC[..., None], mult_q)
-  inter_NHcCE = jnp.einsum("nhctf,nhcfe->nhcte", q_inter, s_NHcFE)
+  def per_token(carry):
+    t_major = lambda x: None if x is None else jnp.moveaxis(x, 2, 0)
 
-  q_row = _exp_times(log_q, a_NHcC[..., None], mult_q)
-  k_row = _exp_times(log_k, _finite_or_zero(b_NHcC)[..., None], mult_k)
-  tri_CC = jnp.tril(jnp.ones((chunk, chunk), bool))
-  b_j = b_NHcC[..., None, :]  # [N, H, c, 1, C]
-  off_t = (s_NHcC - a_NHcC)[..., None]  # [N, H, c, C, 1]
-  scale = jnp.exp(jnp.where(tri_CC & jnp.isfinite(b_j), b_j - _finite_or_zero(off_t), NEG_INF))
-  w_NHcCC = jnp.einsum("nhctf,nhcjf->nhctj", q_row, k_row) * scale
-  intra_NHcCE = jnp.einsum("nhctj,nhcje->nhcte", w_NHcCC, v1)
+    def step(state, x):
+      lq, mq, lk, mk, v_t = x
+      state, num, den = advance(state, LogFeatures(lq, mq), LogFeatures(lk, mk), v_t)
+      return state, jnp.concatenate([num, den[..., None]], axis=-1)
 
-  y = jnp.swapaxes((inter_NHcCE + intra_NHcCE).reshape((n, h, length, v1.shape[-1])), 1, 2)
-  return RecurrentState(ms[:, :, nc], ss[:, :, nc]), y
+    state, y = jax.lax.scan(step, carry, tuple(map(t_major, (log_q, mult_q, log_k, mult_k, v_NHlD))))
+    return state, jnp.moveaxis(y, 0, 2)
+
+  state, y_NHlE = jax.lax.cond(safe, one_product, per_token, carry)
+  return state, jnp.swapaxes(y_NHlE, 1, 2)
 
 
 def _pad_to(x, length, value=0):
@@ -343,4 +411,4 @@ def cumsum(feature_fn, q, k, v, mask):
   return y[..., :-1], y[..., -1]
 
 
-CAUSAL_METHODS = {"chunked": chunked, "scan": scan, "cumsum": cumsum}
+CAUSAL_METHODS = {"chunked": chunked, "scan": scan, "cumsum": cumsum}  # the keys: checks.CAUSAL_METHODS

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import numbers
+
 import jax.numpy as jnp
 
 
@@ -33,6 +35,8 @@ def check_qk(query, key) -> None:
     raise ValueError(
         f"key batch dims {key.shape[:-3]} != query batch dims {query.shape[:-3]} "
         f"(key shape {key.shape}, query shape {query.shape})")
+  if query.shape[-1] == 0:
+    raise ValueError(f"query and key have head_dim 0 (query shape {query.shape}); need head_dim >= 1")
 
 
 def check_projection(projection, head_dim: int) -> None:
@@ -47,9 +51,9 @@ def check_projection(projection, head_dim: int) -> None:
 
 def check_value(key, value) -> None:
   check_float("value", value)
-  if value.ndim != key.ndim or value.shape[:-1] != key.shape[:-1]:
+  if value.ndim != key.ndim or value.shape[:-1] != key.shape[:-1] or value.shape[-1] == 0:
     raise ValueError(
-        f"value must have shape {key.shape[:-1] + ('Dv',)} ([..., Lk, H, Dv] matching key), "
+        f"value must have shape {key.shape[:-1] + ('Dv',)} ([..., Lk, H, Dv] matching key, Dv >= 1), "
         f"got {value.shape}")
 
 
@@ -71,6 +75,13 @@ def check_key_mask(key_mask, key_shape) -> None:
     raise ValueError(f"key_mask must have shape {need} (batch dims..., Lk), got {key_mask.shape}")
 
 
+def check_lengths(query, key) -> None:
+  """Attention (not a feature map) needs at least one query and one key."""
+  for name, x in (("query", query), ("key", key)):
+    if x.shape[-3] == 0:
+      raise ValueError(f"{name} has length 0 (shape {x.shape}); attention needs at least one position")
+
+
 def check_causal_lengths(query, key) -> None:
   if query.shape[-3] != key.shape[-3]:
     raise ValueError(
@@ -78,6 +89,17 @@ def check_causal_lengths(query, key) -> None:
         f"(query shape {query.shape}) and Lk={key.shape[-3]} (key shape {key.shape})")
 
 
-def check_chunk_size(chunk_size) -> None:
-  if not isinstance(chunk_size, int) or chunk_size <= 0:
+def check_chunk_size(chunk_size) -> int:
+  """chunk_size as a Python int: any positive integer (numpy's too), never a bool."""
+  if isinstance(chunk_size, bool) or not isinstance(chunk_size, numbers.Integral) or chunk_size <= 0:
     raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+  return int(chunk_size)
+
+
+CAUSAL_METHODS = ("chunked", "scan", "cumsum")
+
+
+def check_causal_method(causal_method) -> None:
+  """Checked whether or not the call is causal: an argument we cannot honour is never ignored."""
+  if causal_method not in CAUSAL_METHODS:
+    raise ValueError(f"unknown causal_method {causal_method!r}; choose one of {list(CAUSAL_METHODS)}")

@@ -22,6 +22,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Bool, Float
 
 from favor_jax.core import checks
@@ -150,7 +151,7 @@ def oprf_rho(query: Float[Array, "... Lq H D"], key: Float[Array, "... Lk H D"],
   w = w / jnp.maximum(jnp.sum(w, axis=-1, keepdims=True), 1.0)
   y_sq = jnp.einsum("...l,...lh->...h", w, jnp.sum(y * y, -1))
   y_bar = jnp.einsum("...l,...lhd->...hd", w, y)
-  return (x_sq + y_sq + 2 * jnp.sum(x_bar * y_bar, -1)) / d
+  return jnp.maximum(x_sq + y_sq + 2 * jnp.sum(x_bar * y_bar, -1), 0.0) / d  # ≥ 0 but for rounding
 
 
 def broadcast_rho(rho, query) -> Float[Array, "... H"]:
@@ -161,6 +162,17 @@ def broadcast_rho(rho, query) -> Float[Array, "... H"]:
     return jnp.broadcast_to(rho, batch_heads)
   except ValueError:
     raise ValueError(f"rho must broadcast to [..., H] = {batch_heads}, got shape {rho.shape}") from None
+
+
+def check_rho(rho, query) -> Float[Array, "... H"]:
+  """ρ broadcast to [..., H]; a concrete ρ must be finite and ≥ 0 (it is a mean of ‖x + y‖²/d)."""
+  if not isinstance(rho, jax.core.Tracer):
+    values = np.asarray(rho, np.float32)
+    bad = ~(np.isfinite(values) & (values >= 0))
+    if bad.any():
+      raise ValueError(f"rho must be finite and >= 0 (a mean of squared norms), got {values[bad][:4]} "
+                       f"among its {values.size} values")
+  return broadcast_rho(rho, query)
 
 
 def _optimal_positive(query: Float[Array, "... Lq H D"], key: Float[Array, "... Lk H D"],
@@ -188,10 +200,10 @@ def _optimal_positive(query: Float[Array, "... Lq H D"], key: Float[Array, "... 
           f"broadcastable to {query.shape[:-3] + query.shape[-2:-1]}, e.g. a running average "
           "of oprf_rho kept by the layer) or use a data-independent kernel")
     rho = oprf_rho(query, key, key_mask)
-  rho = broadcast_rho(rho, query)
-  rho = jax.lax.stop_gradient(rho)
+  rho = jax.lax.stop_gradient(check_rho(rho, query))
   d = x.shape[-1]
   a = (1.0 - 2.0 * rho - jnp.sqrt(jnp.square(2.0 * rho + 1.0) + 8.0 * rho)) / 16.0
+  a = jnp.where(rho >= 0, a, jnp.nan)  # a traced invalid ρ (NaN, < 0) gives NaN outputs, never zeros
   a_1H1 = a[..., None, :, None]
   b_1H1 = jnp.sqrt(1.0 - 4.0 * a_1H1)
   w_sq_M = jnp.sum(jnp.square(projection.astype(jnp.float32)), -1)

@@ -37,6 +37,10 @@ def redraw(variables, key, due=True):
   if favor is None:
     raise ValueError("no 'favor' collection in variables: pass the full variables of a model with "
                      "FavorAttention layers (model.init(...) output), not only params")
+  if variables.get("cache"):
+    raise ValueError("variables hold a decode 'cache' built with the current projections; a redraw would "
+                     "mix it with new features. Redraw the variables without 'cache' and build a new "
+                     "cache afterwards (init with decode=True).")
   counter = [0]
 
   def visit(tree):
@@ -168,7 +172,10 @@ class FavorAttention(nn.MultiHeadDotProductAttention):
                                            kernel=self.kernel)
     mu = self.variable("cache", "mu", lambda: empty().mu)
     s = self.variable("cache", "s", lambda: empty().s)
-    if not initialized:  # init pass: create the cache, attend over the given inputs
+    if not initialized:
+      if not self.is_initializing():
+        raise ValueError("decode=True needs the recurrent state: pass the 'cache' collection from "
+                         "model.init(...) (with decode=True) in the variables, and mutable=['cache']")
       return core.favor_attention(query, key, value, projection, causal=True, **attend)
     state, x = core.favor_decode_step(core.RecurrentState(mu.value, s.value), query, key, value,
                                       projection, **attend)

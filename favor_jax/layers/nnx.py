@@ -73,17 +73,33 @@ class FavorAttention(nnx.MultiHeadAttention):
     self.cached_mu = self.cached_s = nnx.data(None)
 
   def redraw(self, key, due=True) -> None:
-    """Sets a fresh projection drawn from ``key`` (kept as is where ``due`` is False)."""
+    """Sets a fresh projection drawn from ``key`` (kept as is where ``due`` is False).
+
+    Not while a decode cache is held: its state was built with the current
+    projection (call :meth:`clear_cache` first, then :meth:`init_cache` again).
+    """
+    if self.cached_s is not None:
+      raise ValueError("this layer holds a decode cache built with its current projection; a redraw "
+                       "would mix that state with new features. Call clear_cache() first, then "
+                       "init_cache(...) again after the redraw.")
     old = self.projection[...]
     fresh = layers.draw_projection(key, self.projection_kind, *old.shape).astype(old.dtype)
     self.projection[...] = jnp.where(due, fresh, old)
 
   def init_cache(self, input_shape, dtype=jnp.float32) -> None:
     """Allocates the recurrent state for ``decode=True``; ``input_shape`` is [batch..., length, features]."""
+    if not jnp.issubdtype(jnp.dtype(dtype), jnp.floating):
+      raise TypeError(f"init_cache dtype must be a floating-point dtype (the state is float32), got {dtype}")
+    if len(input_shape) < 2:
+      raise ValueError(f"input_shape must be [batch..., length, features], got {tuple(input_shape)}")
     batch = tuple(input_shape[:-2])
     q = jnp.zeros(batch + (1, self.num_heads, self.head_dim), dtype)
     state = core.favor_decode_init(q, q, self.projection[...], kernel=self.kernel)
     self.cached_mu, self.cached_s = nnx.Cache(state.mu), nnx.Cache(state.s)
+
+  def clear_cache(self) -> None:
+    """Drops the decode state (after which :meth:`redraw` is allowed)."""
+    self.cached_mu = self.cached_s = nnx.data(None)
 
   def __call__(self, inputs_q, inputs_k=None, inputs_v=None, *, mask=None, deterministic=None,
                rngs=None, sow_weights=False, decode=None):

@@ -140,7 +140,8 @@ def test_future_tokens_do_not_change_the_past(name, method):
   v2 = v.at[:, t + 1:].add(7.0)
   moved = fn(q, k2, v2, proj)
   assert np.all(np.isfinite(moved))
-  np.testing.assert_allclose(moved[:, : t + 1], base[:, : t + 1], rtol=1e-6, atol=1e-6)
+  # Float32 rounding only: the one-product form scales a chunk by its largest key, future ones included.
+  np.testing.assert_allclose(moved[:, : t + 1], base[:, : t + 1], rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("name", ["positive", "trigonometric", "optimal_positive"])
