@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from favor_jax import core
-from favor_jax.layers import draw_projection
+from favor_jax.core import draw_projection
 from experiments import plotting
 
 # The seed article's published table (n=64, d=32, inputs ×0.3): its MSE is flat in M.
@@ -114,7 +114,7 @@ def _compare(records, better, worse, settings=None):
 def claims(records, config):
   """Markdown lines: each claim, and where it does or does not hold here."""
   lines = []
-  softmax_kernels = [k for k in config.kernels if k in core.kernels.SOFTMAX_KERNELS]
+  softmax_kernels = [k for k in config.kernels if core.kernels.KERNELS[k].estimates_softmax]
 
   def report(text, pairs, settings=None):
     wins = cases = 0

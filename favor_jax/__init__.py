@@ -10,4 +10,13 @@ from favor_jax.core import (
     softmax_attention,
 )
 
+__all__ = [
+    "core",
+    "favor_attention",
+    "iid_gaussian_projection",
+    "linear_attention",
+    "orthogonal_projection",
+    "simplex_projection",
+    "softmax_attention",
+]
 __version__ = "0.1.0"

@@ -24,9 +24,9 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Bool, Float
 
-from favor_jax.core import attention as attention_lib
+from favor_jax.core import bidirectional as bidirectional_lib
 from favor_jax.core import causal as causal_lib
-from favor_jax.core import checks
+from favor_jax.core import checks, shared
 
 __all__ = ["sequence_parallel_attention", "communication_bytes"]
 
@@ -71,35 +71,35 @@ def sequence_parallel_attention(
   devices = _check_axis(mesh, axis_name)
   if batch_axis is not None:
     _check_axis(mesh, batch_axis)
-  attention_lib._validate(query, key, value, key_mask, causal)
+  shared.validate(query, key, value, key_mask, causal)
   if query.shape[-3] != key.shape[-3]:
     raise ValueError(f"sequence-parallel attention needs query and key of one length; got query "
                      f"{query.shape} and key {key.shape}")
-  kern, data_dependent = attention_lib._resolve_kernel(kernel, projection, rho, query)
+  kern, data_dependent = shared.resolve_kernel(kernel, projection, rho, query)
   if data_dependent and rho is None:
     raise ValueError(f"kernel {kernel!r} needs an explicit rho [..., H] under sequence parallelism "
                      "(e.g. favor_jax.core.oprf_rho(query, key) computed by the caller, or a running ρ)")
   chunk_size = checks.check_chunk_size(chunk_size)
 
   batch, length = query.shape[:-3], query.shape[-3]
-  q, k, v = (attention_lib._flatten(x, batch) for x in (query, key, value))
-  mask = attention_lib._mask_NL(key_mask, key)
+  q, k, v = (shared.flatten(x, batch) for x in (query, key, value))
+  mask = shared.mask_NL(key_mask, key)
   padded = -(-length // devices) * devices
-  q, k, v = (causal_lib._pad_to(x, padded) for x in (q, k, v))
-  mask = causal_lib._pad_to(mask, padded, False)
-  rho_NH = attention_lib._flat_rho(rho, query)
+  q, k, v = (shared.pad_to(x, padded) for x in (q, k, v))
+  mask = shared.pad_to(mask, padded, False)
+  rho_NH = shared.flat_rho(rho, query)
   # Row-local feature stabilisation only: a max over "all positions" would differ per device.
-  feature_fn = attention_lib._feature_fn(kern, projection, rho_NH, causal=True)
+  feature_fn = shared.feature_fn_for(kern, projection, rho_NH, causal=True)
 
   def local(q, k, v, mask):
-    q, k, v, bad, _ = causal_lib.split_nonfinite(q, k, v, mask, causal=causal, axis_name=axis_name)
+    q, k, v, bad, _ = shared.split_nonfinite(q, k, v, mask, causal=causal, axis_name=axis_name)
     v = v.astype(jnp.float32)
     if causal:
-      prefix = causal_lib.exclusive_prefix(causal_lib.key_state(feature_fn, q, k, v, mask), axis_name)
+      prefix = causal_lib.exclusive_prefix(shared.key_state(feature_fn, k, v, mask), axis_name)
       num, den = causal_lib.chunked(feature_fn, q, k, v, mask, chunk_size=chunk_size, state=prefix)
     else:
-      num, den = causal_lib.bidirectional(feature_fn, q, k, v, mask, axis_name=axis_name)
-    return causal_lib.poison(attention_lib._divide(num, den), bad)
+      num, den = bidirectional_lib.bidirectional(feature_fn, q, k, v, mask, axis_name=axis_name)
+    return shared.poison(shared.divide(num, den), bad)
 
   if batch_axis is not None and q.shape[0] % mesh.shape[batch_axis]:
     batch_axis = None  # a layout hint only: a batch the axis does not divide (e.g. at init) is replicated
@@ -113,7 +113,7 @@ def sequence_parallel_attention(
     if explicit:  # an explicit sharding cannot describe a length the axis does not divide
       out = jax.reshard(out, NamedSharding(mesh, P()))
     out = out[:, :length]
-  return out.reshape(batch + out.shape[1:]).astype(attention_lib._out_dtype(query, key, value))
+  return out.reshape(batch + out.shape[1:]).astype(shared.out_dtype(query, key, value))
 
 
 def communication_bytes(batch: int, heads: int, num_features: int, value_dim: int, devices: int,

@@ -1,4 +1,24 @@
-"""favor_jax.core: pure functions for random-feature attention (no Flax, explicit PRNG keys)."""
+"""favor_jax.core: pure functions for random-feature attention (no Flax, explicit PRNG keys).
+
+Modules: ``projections`` (ω and their registry), ``kernels`` (feature maps, one
+record each), ``attention`` (the public attention functions), ``bidirectional``
+and ``causal`` (the algorithms), ``shared`` (what those share), ``checks``.
+
+Shape letters, used in names inside the math (``phi_q_NHlF``) and in the
+jaxtyping annotations of public signatures:
+
+  B  batch (any number of leading dims ``...``)   N  the batch dims flattened into one
+  L  sequence length (Lq queries, Lk keys)        l  length of one block or step
+  H  heads                                        D  head dim of query and key
+  Dv head dim of value                            E  Dv + 1 (value and a column of ones: the denominator)
+  M  projection rows (ω)                          F  features per head (M, 2M or D: ``Kernel.num_features``)
+  Fm width of the log part of features (F or 1)   C  chunk size; c chunks in a block
+  P  devices along a mesh axis
+
+Kernels: FAVOR+ positive and hyperbolic features (Choromanski et al. 2021),
+trigonometric (random Fourier) features, OPRF — optimal positive random
+features, FAVOR++ (Likhosherstov et al. 2022) —, ReLU features and elu+1.
+"""
 
 from favor_jax.core import kernels
 from favor_jax.core.attention import (
@@ -8,15 +28,21 @@ from favor_jax.core.attention import (
     linear_attention,
     softmax_attention,
 )
-from favor_jax.core.causal import RecurrentState
+from favor_jax.core.shared import RecurrentState
 from favor_jax.core.kernels import KERNELS, get_kernel, oprf_rho
 from favor_jax.core.projections import (
+    PROJECTIONS,
+    draw_projection,
+    draw_projection_by_index,
     iid_gaussian_projection,
     orthogonal_projection,
     simplex_projection,
 )
 
 __all__ = [
+    "PROJECTIONS",
+    "draw_projection",
+    "draw_projection_by_index",
     "favor_attention",
     "favor_decode_init",
     "favor_decode_step",

@@ -12,68 +12,15 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float
 
+from favor_jax.core import bidirectional as bidirectional_lib
 from favor_jax.core import causal as causal_lib
 from favor_jax.core import checks
 from favor_jax.core import kernels as kernels_lib
+from favor_jax.core import shared
 
 __all__ = [
     "softmax_attention", "linear_attention", "favor_attention", "favor_decode_init", "favor_decode_step",
 ]
-
-
-def _validate(query, key, value, key_mask, causal, q_name="query", k_name="key"):
-  try:
-    checks.check_qk(query, key)
-  except (TypeError, ValueError) as e:
-    raise type(e)(str(e).replace("query", q_name).replace("key", k_name)) from None
-  checks.check_lengths(query, key)
-  checks.check_value(key, value)
-  checks.check_key_mask(key_mask, key.shape)
-  if causal:
-    checks.check_causal_lengths(query, key)
-
-
-def _flatten(x, batch):
-  return x.reshape((math.prod(batch),) + x.shape[len(batch):])
-
-
-def _mask_NL(key_mask, key):
-  batch, length = key.shape[:-3], key.shape[-3]
-  if key_mask is None:
-    return jnp.ones((math.prod(batch), length), bool)
-  return _flatten(jnp.broadcast_to(key_mask, batch + (length,)), batch)
-
-
-# Denominators are normalised so that an aligned term is ~1; below this nothing reliable is
-# left (and 1/den would overflow in the backward pass), so the row counts as empty.
-_TINY_DEN = 1e-30
-
-
-@jax.custom_jvp
-def _ratio(num, den):
-  return num / den
-
-
-@_ratio.defjvp
-def _ratio_jvp(primals, tangents):
-  # d(n/d) = (dn − (n/d)·dd)/d: never forms 1/d², which overflows for small d.
-  (num, den), (d_num, d_den) = primals, tangents
-  out = num / den
-  return out, (d_num - out * d_den) / den
-
-
-def _divide(num, den):
-  """num / den, with 0 where nothing was attended to (all keys masked, or a vanishing denominator).
-
-  A NaN denominator stays NaN: a non-finite number never turns into a silent 0.
-  """
-  den = den[..., None]
-  empty = jnp.abs(den) <= _TINY_DEN
-  return jnp.where(empty, 0.0, _ratio(num, jnp.where(empty, 1.0, den)))
-
-
-def _out_dtype(*xs):
-  return jnp.result_type(*[x.dtype for x in xs])
 
 
 def softmax_attention(
@@ -88,10 +35,10 @@ def softmax_attention(
 
   A query that can see no key (all masked) returns 0.
   """
-  _validate(query, key, value, key_mask, causal)
+  shared.validate(query, key, value, key_mask, causal)
   batch = query.shape[:-3]
-  mask = _mask_NL(key_mask, key)
-  q, k, v, bad, _ = causal_lib.split_nonfinite(*(_flatten(x, batch) for x in (query, key, value)), mask,
+  mask = shared.mask_NL(key_mask, key)
+  q, k, v, bad, _ = shared.split_nonfinite(*(shared.flatten(x, batch) for x in (query, key, value)), mask,
                                               causal=causal)
   f32 = jnp.float32
   logits = jnp.einsum("nqhd,nkhd->nhqk", q.astype(f32), k.astype(f32)) / math.sqrt(query.shape[-1])
@@ -102,24 +49,24 @@ def softmax_attention(
   peak = jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
   weights = jnp.exp(logits - jnp.where(jnp.isfinite(peak), peak, 0.0))
   num = jnp.einsum("nhqk,nkhd->nqhd", weights, v.astype(f32))
-  out = causal_lib.poison(_divide(num, jnp.moveaxis(jnp.sum(weights, axis=-1), -2, -1)), bad)
-  return out.reshape(batch + out.shape[1:]).astype(_out_dtype(query, key, value))
+  out = shared.poison(shared.divide(num, jnp.moveaxis(jnp.sum(weights, axis=-1), -2, -1)), bad)
+  return out.reshape(batch + out.shape[1:]).astype(shared.out_dtype(query, key, value))
 
 
 def _run(feature_fn, query, key, value, key_mask, causal, causal_method, chunk_size):
   batch = query.shape[:-3]
-  mask = _mask_NL(key_mask, key)
-  q, k, v, bad, _ = causal_lib.split_nonfinite(*(_flatten(x, batch) for x in (query, key, value)), mask,
+  mask = shared.mask_NL(key_mask, key)
+  q, k, v, bad, _ = shared.split_nonfinite(*(shared.flatten(x, batch) for x in (query, key, value)), mask,
                                               causal=causal)
   v = v.astype(jnp.float32)
   if not causal:
-    num, den = causal_lib.bidirectional(feature_fn, q, k, v, mask)
+    num, den = bidirectional_lib.bidirectional(feature_fn, q, k, v, mask)
   elif causal_method == "chunked":
     num, den = causal_lib.chunked(feature_fn, q, k, v, mask, chunk_size=chunk_size)
   else:
     num, den = causal_lib.CAUSAL_METHODS[causal_method](feature_fn, q, k, v, mask)
-  out = causal_lib.poison(_divide(num, den), bad)
-  return out.reshape(batch + out.shape[1:]).astype(_out_dtype(query, key, value))
+  out = shared.poison(shared.divide(num, den), bad)
+  return out.reshape(batch + out.shape[1:]).astype(shared.out_dtype(query, key, value))
 
 
 def linear_attention(
@@ -139,7 +86,7 @@ def linear_attention(
   Equals ``(A v) / (A 1)`` with ``A = φ ψᵀ`` (lower-triangular if causal) without
   forming A. Rows with a zero denominator return 0. Features are used as given.
   """
-  _validate(query_features, key_features, value, key_mask, causal, "query_features", "key_features")
+  shared.validate(query_features, key_features, value, key_mask, causal, "query_features", "key_features")
   checks.check_causal_method(causal_method)
   chunk_size = checks.check_chunk_size(chunk_size)
 
@@ -150,52 +97,6 @@ def linear_attention(
   feature_fn.layout_free = True
   return _run(feature_fn, query_features, key_features, value, key_mask, causal,
               causal_method, chunk_size)
-
-
-def _resolve_kernel(kernel, projection, rho, query):
-  """(kernel function, whether it is data-dependent), after checking projection and rho against it."""
-  kern = kernels_lib.get_kernel(kernel)
-  name = getattr(kern, "__name__", repr(kern))
-  if projection is not None:
-    checks.check_projection(projection, query.shape[-1])
-  elif name != "elu_plus_one":
-    raise ValueError(f"kernel {name!r} needs a projection [M, {query.shape[-1]}], got None")
-  data_dependent = getattr(kern, "data_dependent", False)
-  if rho is not None and not data_dependent:
-    raise ValueError(f"rho is the FAVOR++ statistic; kernel {name!r} takes none")
-  return kern, data_dependent
-
-
-def _flat_rho(rho, query):
-  """ρ broadcast to [..., H] and flattened to [N, H] like the batch; None stays None."""
-  if rho is None:
-    return None
-  return kernels_lib.broadcast_rho(rho, query).reshape((-1, query.shape[-2]))
-
-
-def _feature_fn(kern, projection, rho_NH, causal):
-  """feature_fn(q, k) -> (LogFeatures, LogFeatures) on flattened [N, l, H, D] slices.
-
-  Our kernels are ``layout_free`` (per row, ρ aligned with the heads axis
-  whatever the leading dims); a user callable with its own key
-  stabiliser (a max over all positions) is ``whole_sequence``.
-  """
-  if hasattr(kern, "log_features"):
-    def feature_fn(q, k):
-      rho = {} if rho_NH is None else {"rho": rho_NH.reshape(q.shape[:-3] + q.shape[-2:-1])}
-      return kern.log_features(q, k, projection, **rho)
-
-    feature_fn.layout_free = True
-    return feature_fn
-
-  def feature_fn(q, k):
-    # stabilize=True would scale keys by a max over all positions, future ones included.
-    qf, kf = kern(q, k, projection, stabilize=not causal)
-    return (kernels_lib.LogFeatures(None, qf.astype(jnp.float32)),
-            kernels_lib.LogFeatures(None, kf.astype(jnp.float32)))
-
-  feature_fn.whole_sequence = not causal
-  return feature_fn
 
 
 def favor_attention(
@@ -225,16 +126,25 @@ def favor_attention(
   ``chunk_size`` with carried state), ``"scan"`` (the paper's per-token
   recurrence) or ``"cumsum"`` (materialised prefix states). ``rho`` is the
   FAVOR++ statistic, required for ``optimal_positive`` when ``causal``.
+
+  Degenerate and non-finite inputs: a query that sees no unmasked key gives 0.
+  A non-finite query gives NaN in its own row; a non-finite unmasked key or
+  value gives NaN in the rows that may see it (and in no earlier row); masked
+  keys are ignored whatever they hold. A concrete ``rho`` must be finite and
+  ≥ 0 (else ``ValueError``; a traced one gives NaN). A zero projection gives
+  each kernel at ω = 0: positive/hyperbolic/FAVOR++ features are then the
+  same for every ω, so keys are weighted by exp(−‖k‖²/(2√d)); ReLU features
+  are 0 and every row is 0; trigonometric ones weight keys by exp(+‖k‖²/(2√d)).
   """
-  _validate(query, key, value, key_mask, causal)
+  shared.validate(query, key, value, key_mask, causal)
   checks.check_causal_method(causal_method)
   chunk_size = checks.check_chunk_size(chunk_size)
-  kern, data_dependent = _resolve_kernel(kernel, projection, rho, query)
+  kern, data_dependent = shared.resolve_kernel(kernel, projection, rho, query)
   if data_dependent and rho is None:
-    if causal:  # the kernel raises its own explanation
-      kern.log_features(query, key, projection, causal=True)
-    rho = kernels_lib.oprf_rho(query, key, key_mask)
-  feature_fn = _feature_fn(kern, projection, _flat_rho(rho, query), causal)
+    if causal:
+      raise kernels_lib.causal_statistic_error(kern, query)
+    rho = kern.compute_statistic(query, key, key_mask)
+  feature_fn = shared.feature_fn_for(kern, projection, shared.flat_rho(rho, query), causal)
   return _run(feature_fn, query, key, value, key_mask, causal, causal_method, chunk_size)
 
 
@@ -244,19 +154,19 @@ def favor_decode_init(
     projection: Float[Array, "M D"] | None,
     *,
     kernel="positive",
-) -> causal_lib.RecurrentState:
+) -> shared.RecurrentState:
   """The empty recurrent state for :func:`favor_decode_step`, sized from one step's inputs.
 
   State: S = Σ_j e^{log φ(k_j) − μ}[v_j, 1]ᵀ per head ([N, H, F, Dv+1], N the
   flattened batch) and μ, the running per-feature maximum of log φ(k_j).
   """
-  _validate(query, query, value, None, True)
-  kern, data_dependent = _resolve_kernel(kernel, projection, None, query)
+  shared.validate(query, query, value, None, True)
+  kern, data_dependent = shared.resolve_kernel(kernel, projection, None, query)
   rho = jnp.zeros(query.shape[:-3] + query.shape[-2:-1]) if data_dependent else None
-  feature_fn = _feature_fn(kern, projection, _flat_rho(rho, query), True)
+  feature_fn = shared.feature_fn_for(kern, projection, shared.flat_rho(rho, query), True)
   batch = query.shape[:-3]
-  q, v = _flatten(query, batch), _flatten(value, batch)
-  return causal_lib.initial_state(feature_fn, q, q, v)
+  q, v = shared.flatten(query, batch), shared.flatten(value, batch)
+  return shared.initial_state(feature_fn, q, q, v)
 
 
 def _check_state(state, want) -> None:
@@ -270,7 +180,7 @@ def _check_state(state, want) -> None:
 
 
 def favor_decode_step(
-    state: causal_lib.RecurrentState,
+    state: shared.RecurrentState,
     query: Float[Array, "... l H D"],
     key: Float[Array, "... l H D"],
     value: Float[Array, "... l H Dv"],
@@ -280,7 +190,7 @@ def favor_decode_step(
     key_mask: Bool[Array, "... l"] | None = None,
     rho: Float[Array, "... H"] | None = None,
     chunk_size: int = 64,
-) -> tuple[causal_lib.RecurrentState, Float[Array, "... l H Dv"]]:
+) -> tuple[shared.RecurrentState, Float[Array, "... l H Dv"]]:
   """Continues causal FAVOR attention from ``state`` by l ≥ 1 tokens; O(M·Dv) state per head:
 
       S ← S + φ(k_t)[v_t, 1]ᵀ,   out_t = φ(q_t)ᵀS[:, :Dv] / φ(q_t)ᵀS[:, Dv]
@@ -290,20 +200,20 @@ def favor_decode_step(
   outputs as ``favor_attention(..., causal=True)``. A non-finite key or value
   makes this and every later output NaN (the returned state is NaN).
   """
-  _validate(query, key, value, key_mask, True)
+  shared.validate(query, key, value, key_mask, True)
   chunk_size = checks.check_chunk_size(chunk_size)
-  kern, data_dependent = _resolve_kernel(kernel, projection, rho, query)
+  kern, data_dependent = shared.resolve_kernel(kernel, projection, rho, query)
   if data_dependent and rho is None:
-    kern.log_features(query, key, projection, causal=True)  # raises: FAVOR++ needs rho here
-  feature_fn = _feature_fn(kern, projection, _flat_rho(rho, query), True)
+    raise kernels_lib.causal_statistic_error(kern, query)
+  feature_fn = shared.feature_fn_for(kern, projection, shared.flat_rho(rho, query), True)
   batch = query.shape[:-3]
-  q, k, v = (_flatten(x, batch) for x in (query, key, value))
-  _check_state(state, jax.eval_shape(lambda q, k, v: causal_lib.initial_state(feature_fn, q, k, v), q, k, v))
-  mask = _mask_NL(key_mask, key)
+  q, k, v = (shared.flatten(x, batch) for x in (query, key, value))
+  _check_state(state, jax.eval_shape(lambda q, k, v: shared.initial_state(feature_fn, q, k, v), q, k, v))
+  mask = shared.mask_NL(key_mask, key)
   poisoned = ~jnp.all(jnp.isfinite(state.s), axis=(-2, -1)) | jnp.any(jnp.isnan(state.mu), axis=-1)
-  q, k, v, bad, poisoned = causal_lib.split_nonfinite(q, k, v, mask, causal=True, prior=poisoned)
+  q, k, v, bad, poisoned = shared.split_nonfinite(q, k, v, mask, causal=True, prior=poisoned)
   v = v.astype(jnp.float32)
-  state = causal_lib.RecurrentState(*(jnp.where(jnp.isfinite(x) | jnp.isneginf(x), x, 0.0) for x in state))
+  state = shared.RecurrentState(*(jnp.where(jnp.isfinite(x) | jnp.isneginf(x), x, 0.0) for x in state))
   if q.shape[1] == 1:
     fq, fk = feature_fn(q, k)
     first = lambda f: kernels_lib.LogFeatures(*(None if x is None else x[:, 0] for x in f))
@@ -312,7 +222,7 @@ def favor_decode_step(
   else:
     num, den, state = causal_lib.chunked(feature_fn, q, k, v, mask, chunk_size=chunk_size, state=state,
                                          return_state=True)
-  state = causal_lib.RecurrentState(*(jnp.where(poisoned.reshape(poisoned.shape + (1,) * (x.ndim - 2)),
+  state = shared.RecurrentState(*(jnp.where(poisoned.reshape(poisoned.shape + (1,) * (x.ndim - 2)),
                                                 jnp.nan, x) for x in state))
-  out = causal_lib.poison(_divide(num, den), bad)
-  return state, out.reshape(batch + out.shape[1:]).astype(_out_dtype(query, key, value))
+  out = shared.poison(shared.divide(num, den), bad)
+  return state, out.reshape(batch + out.shape[1:]).astype(shared.out_dtype(query, key, value))

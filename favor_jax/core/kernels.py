@@ -1,7 +1,10 @@
 """Feature maps φ with φ(q)ᵀφ(k) ≈ κ(q, k), all of the form φ = mult · exp(log).
 
 Softmax kernels estimate κ(q, k) = exp(q·k/√d): they work on x = q·d^{-1/4} and
-y = k·d^{-1/4} and estimate exp(x·y). Each public kernel is a pure function
+y = k·d^{-1/4} and estimate exp(x·y). Each public kernel is a :class:`Kernel`
+record (its formula's facts: feature count, whether it estimates softmax,
+whether it needs a projection, which statistic of the data it takes) that is
+called as a pure function
 
     kernel(query, key, projection, *, stabilize=True) -> (query_features, key_features)
 
@@ -10,15 +13,17 @@ raw ones, whose inner product is the estimator. With ``stabilize=True`` each
 query row is divided by its largest feature and all keys of one (batch, head)
 by their largest feature: factors that cancel in normalised attention.
 
-Internally every kernel also exposes ``kernel.log_features``, which keeps the
-exponential part in log domain so that :func:`favor_attention` can choose a
-stabiliser that never looks at future keys (see ``causal.py``).
+Every kernel also exposes ``kernel.log_features``, which keeps the exponential
+part in log domain so that :func:`favor_attention` can choose a stabiliser that
+never looks at future keys (see ``causal.py``). A new kernel is its
+``_log_features`` function and its record below, added to ``KERNELS``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -29,7 +34,8 @@ from favor_jax.core import checks
 
 __all__ = [
     "positive", "hyperbolic", "trigonometric", "optimal_positive", "relu", "elu_plus_one",
-    "oprf_rho", "broadcast_rho", "KERNELS", "get_kernel", "LogFeatures",
+    "oprf_rho", "broadcast_rho", "check_rho", "KERNELS", "Kernel", "get_kernel", "num_features",
+    "LogFeatures",
 ]
 
 
@@ -64,19 +70,40 @@ def materialise(f: LogFeatures, *, stabilize: bool, over_keys: bool) -> Array:
   return out if f.mult is None else out * f.mult
 
 
-def _public(log_features, *, data_dependent=False):
-  """Wraps ``log_features(query, key, projection, **kw)`` as a public feature-map kernel."""
+@dataclasses.dataclass(frozen=True)
+class Kernel:
+  """A feature map and its facts, in one record beside its formula; call it like a function:
 
-  def kernel(query, key, projection, *, stabilize: bool = True, **kwargs):
-    fq, fk = log_features(query, key, projection, **kwargs)
+      kernel(query, key, projection, *, stabilize=True, **statistic) -> (query_features, key_features)
+  """
+  name: str
+  log_features: Callable  # (query, key, projection, **statistic) -> (LogFeatures, LogFeatures)
+  num_features: Callable[[int, int], int]  # F, from M (projection rows) and D (head dim)
+  estimates_softmax: bool  # E[φ(q)ᵀφ(k)] = exp(q·k/√d) exactly
+  needs_projection: bool = True
+  # A statistic of the inputs the features depend on: the keyword that passes it (FAVOR++: "rho"), and
+  # the function computing it from (query, key, key_mask) over the whole sequence, which causal
+  # attention must not do (it would let later keys shape earlier outputs): causal callers pass it.
+  statistic: str | None = None
+  compute_statistic: Callable | None = None
+
+  @property
+  def data_dependent(self) -> bool:
+    return self.statistic is not None
+
+  def __call__(self, query, key, projection=None, *, stabilize: bool = True, **statistic):
+    fq, fk = self.log_features(query, key, projection, **statistic)
     return (materialise(fq, stabilize=stabilize, over_keys=False),
             materialise(fk, stabilize=stabilize, over_keys=True))
 
-  kernel.__name__ = kernel.__qualname__ = log_features.__name__.lstrip("_")
-  kernel.__doc__ = log_features.__doc__
-  kernel.log_features = log_features
-  kernel.data_dependent = data_dependent
-  return kernel
+
+def causal_statistic_error(kernel: Kernel, query) -> ValueError:
+  """The error for a data-dependent kernel used causally without its statistic."""
+  need = query.shape[:-3] + query.shape[-2:-1]
+  return ValueError(
+      f"{kernel.name} takes its statistic {kernel.statistic} from the whole sequence, which in causal "
+      f"attention would let future keys shape past outputs; pass {kernel.statistic}= (shape broadcastable "
+      f"to {need}, e.g. a running average kept by the layer) or use a data-independent kernel")
 
 
 def _checked(query, key, projection):
@@ -194,11 +221,7 @@ def _optimal_positive(query: Float[Array, "... Lq H D"], key: Float[Array, "... 
   x, y = _checked(query, key, projection)
   if rho is None:
     if causal:
-      raise ValueError(
-          "optimal_positive (FAVOR++) takes its statistic ρ from the whole sequence, which in "
-          "causal attention would let future keys shape past outputs; pass rho= (shape "
-          f"broadcastable to {query.shape[:-3] + query.shape[-2:-1]}, e.g. a running average "
-          "of oprf_rho kept by the layer) or use a data-independent kernel")
+      raise causal_statistic_error(optimal_positive, query)
     rho = oprf_rho(query, key, key_mask)
   rho = jax.lax.stop_gradient(check_rho(rho, query))
   d = x.shape[-1]
@@ -236,24 +259,16 @@ def _elu_plus_one(query: Float[Array, "... Lq H D"], key: Float[Array, "... Lk H
   return tuple(LogFeatures(None, jax.nn.elu(z.astype(jnp.float32)) + 1.0) for z in (query, key))
 
 
-positive = _public(_positive)
-hyperbolic = _public(_hyperbolic)
-trigonometric = _public(_trigonometric)
-optimal_positive = _public(_optimal_positive, data_dependent=True)
-relu = _public(_relu)
-elu_plus_one = _public(_elu_plus_one)
+positive = Kernel("positive", _positive, lambda m, d: m, estimates_softmax=True)
+hyperbolic = Kernel("hyperbolic", _hyperbolic, lambda m, d: 2 * m, estimates_softmax=True)
+trigonometric = Kernel("trigonometric", _trigonometric, lambda m, d: 2 * m, estimates_softmax=True)
+optimal_positive = Kernel("optimal_positive", _optimal_positive, lambda m, d: m, estimates_softmax=True,
+                          statistic="rho", compute_statistic=oprf_rho)
+relu = Kernel("relu", _relu, lambda m, d: m, estimates_softmax=False)
+elu_plus_one = Kernel("elu_plus_one", _elu_plus_one, lambda m, d: d, estimates_softmax=False,
+                      needs_projection=False)
 
-KERNELS = {
-    "positive": positive,
-    "hyperbolic": hyperbolic,
-    "trigonometric": trigonometric,
-    "optimal_positive": optimal_positive,
-    "relu": relu,
-    "elu_plus_one": elu_plus_one,
-}
-
-# Kernels whose estimate E[φ(q)ᵀφ(k)] is exactly exp(q·k/√d).
-SOFTMAX_KERNELS = ("positive", "hyperbolic", "trigonometric", "optimal_positive")
+KERNELS = {k.name: k for k in (positive, hyperbolic, trigonometric, optimal_positive, relu, elu_plus_one)}
 
 
 def get_kernel(kernel):
@@ -266,10 +281,5 @@ def get_kernel(kernel):
 
 
 def num_features(kernel, num_projections: int, head_dim: int) -> int:
-  """F, the feature count ``kernel`` produces from an [M, D] projection."""
-  name = getattr(kernel, "__name__", kernel)
-  if name in ("hyperbolic", "trigonometric"):
-    return 2 * num_projections
-  if name == "elu_plus_one":
-    return head_dim
-  return num_projections
+  """F, the feature count ``kernel`` (a name or a :class:`Kernel`) produces from an [M, D] projection."""
+  return get_kernel(kernel).num_features(num_projections, head_dim)

@@ -12,7 +12,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, PRNGKeyArray
 
-__all__ = ["iid_gaussian_projection", "orthogonal_projection", "simplex_projection"]
+__all__ = ["iid_gaussian_projection", "orthogonal_projection", "simplex_projection", "PROJECTIONS",
+           "draw_projection", "draw_projection_by_index"]
 
 
 def _check_sizes(num_features, dim):
@@ -97,3 +98,23 @@ def simplex_projection(
   dirs_MD = dirs_nDD.reshape(num_blocks * dim, dim)[:num_features]
   norms_M = _chi_norms(key_norm, num_features, dim)
   return (dirs_MD * norms_M[:, None]).astype(dtype)
+
+
+PROJECTIONS = {
+    "iid": iid_gaussian_projection,
+    "orthogonal": orthogonal_projection,
+    "simplex": simplex_projection,
+}
+
+
+def draw_projection(key: PRNGKeyArray, kind: str, num_features: int, dim: int) -> Float[Array, "M D"]:
+  """A fresh [M, D] projection of ``kind``, a name in ``PROJECTIONS``."""
+  if kind not in PROJECTIONS:
+    raise ValueError(f"projection must be one of {tuple(PROJECTIONS)}, got {kind!r}")
+  return PROJECTIONS[kind](key, num_features, dim)
+
+
+def draw_projection_by_index(key: PRNGKeyArray, kind_index, num_features: int, dim: int) -> Float[Array, "M D"]:
+  """As :func:`draw_projection`, with the kind a (possibly traced) index into ``tuple(PROJECTIONS)``."""
+  branches = [lambda k, draw=draw: draw(k, num_features, dim) for draw in PROJECTIONS.values()]
+  return jax.lax.switch(kind_index, branches, key)

@@ -19,25 +19,26 @@ from favor_jax import core
 
 __all__ = ["make_attention_fn", "draw_projection", "redraw_due", "PROJECTIONS"]
 
-PROJECTIONS = ("iid", "orthogonal", "simplex")
-_DRAW = {
-    "iid": core.iid_gaussian_projection,
-    "orthogonal": core.orthogonal_projection,
-    "simplex": core.simplex_projection,
-}
+PROJECTIONS = tuple(core.PROJECTIONS)  # the order that a layer's stored projection_kind indexes
+draw_projection = core.draw_projection
+draw_projection_by_index = core.draw_projection_by_index
 
 
-def draw_projection(key, kind: str, num_features: int, dim: int) -> Float[Array, "M D"]:
-  """A fresh [M, D] projection of ``kind`` ("iid", "orthogonal" or "simplex")."""
-  if kind not in _DRAW:
-    raise ValueError(f"projection must be one of {PROJECTIONS}, got {kind!r}")
-  return _DRAW[kind](key, num_features, dim)
+def check_favor_args(*, num_features, kernel, projection, causal, decode) -> None:
+  """The checks every FavorAttention layer (Linen and NNX) makes of its FAVOR arguments."""
+  if projection not in PROJECTIONS:
+    raise ValueError(f"projection must be one of {PROJECTIONS}, got {projection!r}")
+  if isinstance(num_features, bool) or not isinstance(num_features, int) or num_features <= 0:
+    raise ValueError(f"num_features must be a positive int, got {num_features!r}")
+  core.get_kernel(kernel)
+  if decode and not causal:
+    raise ValueError("decode=True needs causal=True: decoding is autoregressive")
 
 
-def draw_projection_by_index(key, kind_index, num_features: int, dim: int) -> Float[Array, "M D"]:
-  """As :func:`draw_projection`, with the kind as a (possibly traced) index into ``PROJECTIONS``."""
-  branches = [lambda k, kind=kind: _DRAW[kind](k, num_features, dim) for kind in PROJECTIONS]
-  return jax.lax.switch(kind_index, branches, key)
+def is_data_dependent(kernel) -> bool:
+  """Whether ``kernel`` takes a statistic of the data (FAVOR++'s ρ): causal layers keep a running one."""
+  kern = core.get_kernel(kernel)
+  return isinstance(kern, core.kernels.Kernel) and kern.data_dependent
 
 
 def redraw_due(step, every: int):

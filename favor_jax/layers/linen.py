@@ -83,13 +83,8 @@ class FavorAttention(nn.MultiHeadDotProductAttention):
       raise ValueError("FavorAttention computes its own attention; do not pass attention_fn")
     if self.qk_attn_weights_einsum_cls is not None or self.attn_weights_value_einsum_cls is not None:
       raise ValueError("attention-weight einsum classes do not apply to FAVOR attention")
-    if self.projection not in layers.PROJECTIONS:
-      raise ValueError(f"projection must be one of {layers.PROJECTIONS}, got {self.projection!r}")
-    if not isinstance(self.num_features, int) or self.num_features <= 0:
-      raise ValueError(f"num_features must be a positive int, got {self.num_features!r}")
-    core.get_kernel(self.kernel)
-    if self.decode and not self.causal:
-      raise ValueError("decode=True needs causal=True: decoding is autoregressive")
+    layers.check_favor_args(num_features=self.num_features, kernel=self.kernel, projection=self.projection,
+                            causal=self.causal, decode=self.decode)
     if (self.mesh is None) != (self.sequence_axis is None):
       raise ValueError("sequence-parallel attention needs both mesh and sequence_axis (or neither)")
     if self.decode and self.sequence_axis is not None:
@@ -143,7 +138,7 @@ class FavorAttention(nn.MultiHeadDotProductAttention):
       if self.decode:
         x = self._decode(query, key, value, projection.value, attend)
       elif self.sequence_axis is not None:
-        if rho is None and getattr(core.get_kernel(self.kernel), "data_dependent", False):
+        if rho is None and layers.is_data_dependent(self.kernel):
           attend["rho"] = core.oprf_rho(query, key, key_mask)  # the global statistic (XLA reduces it)
         x = parallel.sequence_parallel_attention(
             query, key, value, projection.value, mesh=self.mesh, axis_name=self.sequence_axis,
@@ -158,7 +153,7 @@ class FavorAttention(nn.MultiHeadDotProductAttention):
 
   def _running_rho(self, query, key, key_mask, train):
     """Causal FAVOR++: the running ρ as it was before this step (then updated if training)."""
-    if not (self.causal and getattr(core.get_kernel(self.kernel), "data_dependent", False)):
+    if not (self.causal and layers.is_data_dependent(self.kernel)):
       return None
     rho = self.variable("favor", "rho", jnp.zeros, (self.num_heads,), jnp.float32)
     used = rho.value

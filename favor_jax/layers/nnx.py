@@ -55,12 +55,9 @@ class FavorAttention(nnx.MultiHeadAttention):
     if flax_kwargs.get("num_kv_heads") not in (None, num_heads):
       raise ValueError(f"FavorAttention needs num_kv_heads == num_heads ({num_heads}), "
                        f"got {flax_kwargs['num_kv_heads']}")
-    if not isinstance(num_features, int) or num_features <= 0:
-      raise ValueError(f"num_features must be a positive int, got {num_features!r}")
-    core.get_kernel(kernel)
+    layers.check_favor_args(num_features=num_features, kernel=kernel, projection=projection, causal=causal,
+                            decode=flax_kwargs.get("decode", False))
     super().__init__(num_heads, in_features, qkv_features, out_features, rngs=rngs, **flax_kwargs)
-    if self.decode and not causal:
-      raise ValueError("decode=True needs causal=True: decoding is autoregressive")
     self.kernel = kernel
     self.projection_kind = projection
     self.causal = causal
@@ -68,7 +65,7 @@ class FavorAttention(nnx.MultiHeadAttention):
     self.rho_momentum = rho_momentum
     self.projection = FavorProjection(
         layers.draw_projection(rngs.params(), projection, num_features, self.head_dim))
-    data_dependent = getattr(core.get_kernel(kernel), "data_dependent", False)
+    data_dependent = layers.is_data_dependent(kernel)
     self.rho = FavorStats(jnp.zeros((num_heads,), jnp.float32)) if causal and data_dependent else None
     self.cached_mu = self.cached_s = nnx.data(None)
 

@@ -84,7 +84,7 @@ def test_bidirectional_blocks_equal_one_block(name, monkeypatch, maybe_jit):
   # Keys folded block by block (rescaled as the per-feature max grows) and queries read block by
   # block give the explicit quadratic form: 37 keys in blocks of 8 (+5), 19 queries (+3), a key
   # mask that empties a whole block (its max is −∞) — outputs and gradients.
-  from favor_jax.core import causal as causal_lib
+  from favor_jax.core import shared
 
   q, k, v = _qkv()
   q = q[:, :19] * 2.0
@@ -94,7 +94,7 @@ def test_bidirectional_blocks_equal_one_block(name, monkeypatch, maybe_jit):
   raw_q, raw_k = kernels.KERNELS[name](q, k, proj, stabilize=False, **rho)
 
   def run(block):  # a fresh function per block size: jit must not reuse the other trace
-    monkeypatch.setattr(causal_lib, "BLOCK", block)
+    monkeypatch.setattr(shared, "BLOCK", block)
     fn = maybe_jit(lambda q, k, v, m: core.favor_attention(q, k, v, proj, kernel=name, key_mask=m))
     return fn(q, k, v, mask), jax.grad(lambda *a: jnp.sum(fn(*a, mask) ** 2), argnums=(0, 1, 2))(q, k, v)
 
@@ -256,7 +256,7 @@ def test_favor_approaches_softmax_as_features_grow(causal):
 
 def test_seed_experiment_error_falls_as_one_over_m():
   # The seed article's setup: n=64, d=32, inputs ×0.3, V ~ N(0,1); its table sits at ~9e-4 for all m.
-  seed_table = {32: 0.000958, 64: 0.000857, 128: 0.000871, 256: 0.000870, 512: 0.000927}
+  from experiments.approximation import SEED_TABLE as seed_table
   rng = np.random.default_rng(42)
   n, d = 64, 32
   q, k = (jnp.asarray(rng.standard_normal((n, 1, d)) * 0.3, jnp.float32) for _ in range(2))
@@ -308,12 +308,31 @@ def test_cross_attention_different_lengths():
 
 
 def test_user_callable_kernel():
+  """A plain function returning features (no log part, no record) is the explicit form on its features."""
   q, k, v = _qkv()
   proj = _proj()
-  mine = lambda q, k, p, stabilize=True: kernels.positive(q, k, p, stabilize=stabilize)
+  mine = lambda q, k, p, stabilize=True: tuple(jnp.square(jnp.einsum("blhd,md->blhm", x, p)) + 0.1
+                                               for x in (q, k))
+  qf, kf = mine(q, k, proj)
   for causal in (False, True):
     np.testing.assert_allclose(core.favor_attention(q, k, v, proj, kernel=mine, causal=causal),
-                               core.favor_attention(q, k, v, proj, causal=causal), rtol=1e-5, atol=1e-6)
+                               _explicit(qf, kf, v, causal), rtol=1e-5, atol=1e-5)
+
+
+def test_a_new_kernel_is_a_record():
+  """A feature map added as a Kernel record (its log-features and facts) works everywhere a name does."""
+  def _cosh(query, key, projection):  # φ(x) = [exp(ωx), exp(−ωx)]: log-features only
+    f = lambda x: kernels.LogFeatures(jnp.concatenate([x, -x], -1), None)
+    return tuple(f(jnp.einsum("...lhd,md->...lhm", z.astype(jnp.float32), projection)) for z in (query, key))
+
+  cosh = kernels.Kernel("cosh", _cosh, lambda m, d: 2 * m, estimates_softmax=False)
+  q, k, v = _qkv()
+  proj = _proj()
+  qf, kf = cosh(q, k, proj, stabilize=False)
+  assert qf.shape[-1] == cosh.num_features(proj.shape[0], D) == kernels.num_features(cosh, 16, D)
+  for causal in (False, True):
+    np.testing.assert_allclose(core.favor_attention(q, k, v, proj, kernel=cosh, causal=causal),
+                               _explicit(qf, kf, v, causal), rtol=1e-5, atol=1e-5)
 
 
 # --- bad input -------------------------------------------------------------------------------

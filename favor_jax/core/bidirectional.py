@@ -1,0 +1,53 @@
+"""The bidirectional pass: every query against all unmasked keys, in cache-sized blocks.
+
+Keys are folded into the [F, E] state ``shared.BLOCK`` at a time (rescaled as
+the per-feature key maximum grows), then the state is read ``BLOCK`` queries at
+a time; heads are a batch dimension inside a block, so every product is a
+plain batched matrix product and no [L, H, F] array is formed.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from favor_jax.core import shared
+from favor_jax.core.shared import RecurrentState
+
+
+def bidirectional(feature_fn, q, k, v, mask, axis_name=None):
+  """Σ over all unmasked keys; per-feature key scale μ_f = max_j log φ(k_j)_f.
+
+  Returns (numerator [N, Lq, H, Dv], denominator [N, Lq, H]), both scaled by the
+  same per-row factor. Feature maps that need the whole sequence at once
+  (``feature_fn.whole_sequence``) get one block. ``axis_name``: the keys are
+  split along the sequence over this mesh axis (inside ``shard_map``): one
+  ``pmax`` of μ and one ``psum`` of the rescaled Σφ(k)[v, 1]ᵀ make every
+  device's state the full one.
+  """
+  n, length, h = q.shape[:3]
+  if getattr(feature_fn, "whole_sequence", False):  # both sides' features from one call, one block
+    fq_all, fk_all = shared.head_major(feature_fn, q, k)
+    state = shared.add_keys(shared.initial_state(feature_fn, q, k, v), fk_all, v, mask)
+    block = max(length, 1)
+    query_features = lambda start, size: fq_all
+  else:
+    state = shared.key_state(feature_fn, k, v, mask)
+    block = max(min(shared.BLOCK, length), 1)
+    query_features = lambda start, size: shared.head_major(feature_fn, shared.cut(q, start, size), k[:, :0])[0]
+  if axis_name is not None:
+    top = shared.finite_or_zero(jax.lax.stop_gradient(jax.lax.pmax(state.mu, axis_name)))
+    state = RecurrentState(top, jax.lax.psum(state.s * jnp.exp(state.mu - top)[..., None], axis_name))
+
+  def read(start, size):
+    y_NHlE = shared.read_out(query_features(start, size), state)
+    return y_NHlE[..., :-1], y_NHlE[..., -1]
+
+  # Query blocks are independent: a map, whose outputs are stacked (a carried output buffer
+  # would make the backward pass copy it once per block).
+  full, rest = divmod(length, block)
+  ys = jax.lax.map(lambda i: read(i * block, block), jnp.arange(full))  # [b, N, H, l, ...]
+  ys = [jnp.moveaxis(y, 0, 2).reshape((n, h, full * block) + y.shape[4:]) for y in ys]
+  if rest:
+    ys = [jnp.concatenate(pair, axis=2) for pair in zip(ys, read(full * block, rest))]
+  return tuple(jnp.swapaxes(y, 1, 2) for y in ys)
