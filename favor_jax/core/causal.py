@@ -100,9 +100,9 @@ def chunked(feature_fn, q, k, v, mask, *, chunk_size: int = 64, block_chunks: in
   """Chunked causal linear attention: O(L·C·(F+Dv)) inside chunks, O(L·F·Dv) across them.
 
   Blocks of ``block_chunks`` chunks run under ``lax.scan`` with a
-  rematerialised body (4 was fastest, fwd and fwd+bwd, on a 2-core CPU at
-  L=16384; larger blocks make the associative scan's intermediates dominate), so fwd+bwd keeps the inputs and one [F, Dv+1] state per
-  block, not the O(L·F) features and [C, C] weights. ``state`` continues
+  rematerialised body (larger blocks make the associative scan's
+  intermediates dominate), so fwd+bwd keeps the inputs and one [F, Dv+1]
+  state per block, not the O(L·F) features and [C, C] weights. ``state`` continues
   from earlier keys (a :class:`RecurrentState`); ``return_state`` also returns
   the state after the last key.
   """

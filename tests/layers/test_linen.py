@@ -38,17 +38,6 @@ def test_attention_fn_in_linen_mha_honours_key_padding_mask():
   np.testing.assert_allclose(mha.apply(params, x, mask=helper), masked, rtol=1e-6)
 
 
-def test_attention_fn_equals_favor_attention_on_the_module_projections():
-  x = _x()
-  proj = _proj()
-  fn = layers.make_attention_fn(proj, causal=True)
-  mha = nn.MultiHeadDotProductAttention(num_heads=H, attention_fn=fn)
-  params = mha.init(jax.random.PRNGKey(0), x)
-  favor = flin.FavorAttention(num_heads=H, num_features=32, causal=True)
-  favor_vars = {"params": params["params"], "favor": {"projection": proj, "projection_kind": jnp.int32(1)}}
-  np.testing.assert_allclose(mha.apply(params, x), favor.apply(favor_vars, x), rtol=1e-5, atol=1e-6)
-
-
 def test_attention_fn_refuses_what_it_cannot_honour():
   x = _x()
   fn = layers.make_attention_fn(_proj())

@@ -1,0 +1,159 @@
+"""Degenerate or mismatched inputs to the core functions stop with a ValueError/TypeError that names the
+argument, instead of an obscure crash, an empty result or a silent broadcast."""
+
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from favor_jax import core, parallel
+
+B, L, H, D, M = 2, 12, 2, 8, 16
+
+
+def _normal(seed, shape):
+  return np.random.default_rng(seed).standard_normal(shape, np.float32)
+
+
+def _qkv(batch=B, length=L, heads=H, dim=D, dv=D, lk=None):
+  lk = length if lk is None else lk
+  return (_normal(0, (batch, length, heads, dim)), _normal(1, (batch, lk, heads, dim)),
+          _normal(2, (batch, lk, heads, dv)))
+
+
+def _proj(dim=D, features=M):
+  return _normal(5, (features, dim))
+
+
+def _favor(q, k, v, causal, **kw):
+  return core.favor_attention(q, k, v, _proj(q.shape[-1]), causal=causal, **kw)
+
+
+def _linear(q, k, v, causal, **kw):
+  relu = lambda x: jnp.maximum(x, 0) + 1e-3  # features used as given: any positive map
+  return core.linear_attention(relu(q), relu(k), v, causal=causal, **kw)
+
+
+def _softmax(q, k, v, causal, **kw):
+  return core.softmax_attention(q, k, v, causal=causal, **kw)
+
+
+ATTENTIONS = {"favor": _favor, "linear": _linear, "softmax": _softmax}
+
+
+# --- empty axes --------------------------------------------------------------------------------------
+
+EMPTY = [  # (inputs, causal, expected message); linear_attention says query_features / key_features
+    (dict(length=0), False, r"query(_features)? has length 0 \(shape \(2, 0, 2, 8\)\)"),
+    (dict(lk=0), False, r"key(_features)? has length 0 \(shape \(2, 0, 2, 8\)\)"),
+    (dict(length=0), True, r"query(_features)? has length 0 \(shape \(2, 0, 2, 8\)\)"),
+    (dict(dim=0), False, r"query(_features)? and key(_features)? have head_dim 0 .*\(2, 12, 2, 0\)"),
+    (dict(dim=0), True, r"query(_features)? and key(_features)? have head_dim 0 .*\(2, 12, 2, 0\)"),
+    (dict(dv=0), False, r"value must have shape .*Dv >= 1.*got \(2, 12, 2, 0\)"),
+    (dict(dv=0), True, r"value must have shape .*Dv >= 1.*got \(2, 12, 2, 0\)"),
+]
+
+
+@pytest.mark.parametrize("which", sorted(ATTENTIONS))
+@pytest.mark.parametrize("shapes,causal,message", EMPTY,
+                         ids=[f"{sorted(s)[0]}-{'causal' if c else 'full'}" for s, c, _ in EMPTY])
+def test_an_empty_axis_is_a_clear_value_error(which, shapes, causal, message):
+  q, k, v = _qkv(**shapes)
+  with pytest.raises(ValueError, match=message):
+    ATTENTIONS[which](q, k, v, causal)
+
+
+def test_empty_inputs_to_decode_are_clear_value_errors():
+  q, k, v = _qkv(length=1)
+  proj = _proj()
+  state = core.favor_decode_init(q, v, proj)
+  with pytest.raises(ValueError, match=r"query has length 0 \(shape \(2, 0, 2, 8\)\)"):
+    core.favor_decode_step(state, q[:, :0], k[:, :0], v[:, :0], proj)
+  with pytest.raises(ValueError, match=r"value must have shape .*Dv >= 1"):
+    core.favor_decode_step(state, q, k, v[..., :0], proj)
+  with pytest.raises(ValueError, match=r"value must have shape .*Dv >= 1"):
+    core.favor_decode_init(q, v[..., :0], proj)
+  with pytest.raises(ValueError, match="query and key have head_dim 0"):
+    core.favor_decode_init(q[..., :0], v, _proj(0))
+
+
+# --- decode state that does not fit the step's inputs ------------------------------------------------
+
+STEP_MISMATCH = {  # the step's inputs differ from those the state was made for, in one size
+    "batch": dict(batch=3),
+    "heads": dict(heads=3),
+    "value_dim": dict(dv=5),
+    "features": dict(features=24),
+    "batch_1_state_batch_2_step": dict(state_batch=1),
+}
+
+
+@pytest.mark.parametrize("prompt", [1, 5], ids=["token", "prompt"])
+@pytest.mark.parametrize("case", sorted(STEP_MISMATCH))
+def test_a_decode_state_of_other_sizes_is_refused_naming_its_shapes(case, prompt):
+  change = dict(STEP_MISMATCH[case])
+  state_batch = change.pop("state_batch", B)
+  q0, _, v0 = _qkv(batch=state_batch, length=1)
+  state = core.favor_decode_init(q0, v0, _proj())
+  features = change.pop("features", M)
+  q, k, v = _qkv(length=prompt, **change)
+  got = re.escape(str(tuple(x.shape for x in state)))
+  with pytest.raises(ValueError, match=rf"state \(mu, s\) has shapes {got}; these inputs need"):
+    core.favor_decode_step(state, q, k, v, _proj(features=features))
+  # The sizes the state was made for are accepted (the check refuses mismatches only).
+  q, k, v = _qkv(batch=state_batch, length=prompt)
+  jax.eval_shape(functools.partial(core.favor_decode_step, projection=_proj()), state, q, k, v)
+
+
+# --- arguments that were ignored or wrongly refused ---------------------------------------------------
+
+@pytest.mark.parametrize("which", ["favor", "linear"])
+def test_an_unknown_causal_method_is_refused_even_when_not_causal(which):
+  q, k, v = _qkv()
+  with pytest.raises(ValueError, match=r"unknown causal_method 'blocked'; choose one of"):
+    ATTENTIONS[which](q, k, v, False, causal_method="blocked")
+
+
+@pytest.mark.parametrize("which", ["favor", "linear"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_a_bool_chunk_size_is_refused(which, causal):
+  q, k, v = _qkv()
+  with pytest.raises(ValueError, match="chunk_size must be a positive int, got True"):
+    ATTENTIONS[which](q, k, v, causal, chunk_size=True)
+
+
+def test_a_bool_chunk_size_is_refused_by_decode():
+  q, k, v = _qkv()
+  proj = _proj()
+  state = core.favor_decode_init(q[:, :1], v[:, :1], proj)
+  with pytest.raises(ValueError, match="chunk_size must be a positive int, got True"):
+    core.favor_decode_step(state, q, k, v, proj, chunk_size=True)
+
+
+def _program(f, *args, **kwargs):
+  """The traced computation (jaxpr) as text: equal programs give bit-identical results."""
+  return str(jax.make_jaxpr(functools.partial(f, **kwargs))(*args))
+
+
+@pytest.mark.parametrize("which", ["favor", "linear"])
+def test_a_numpy_integer_chunk_size_is_an_int(which):
+  q, k, v = _qkv()
+  program = lambda chunk: _program(ATTENTIONS[which], q, k, v, causal=True, chunk_size=chunk)
+  assert program(np.int64(5)) == program(5) != program(6)
+
+
+def test_a_numpy_integer_chunk_size_is_an_int_in_decode_and_sequence_parallel():
+  q, k, v = _qkv()
+  proj = _proj()
+  state = core.favor_decode_init(q[:, :1], v[:, :1], proj)
+  decode = lambda chunk: _program(core.favor_decode_step, state, q, k, v, projection=proj, chunk_size=chunk)
+  assert decode(np.int64(5)) == decode(5) != decode(6)
+  mesh = jax.make_mesh((1,), ("seq",))
+  split = lambda chunk: _program(parallel.sequence_parallel_attention, q, k, v, projection=proj, mesh=mesh,
+                                 axis_name="seq", causal=True, chunk_size=chunk)
+  assert split(np.int64(5)) == split(5) != split(6)
+  with pytest.raises(ValueError, match="chunk_size must be a positive int, got True"):
+    split(True)
