@@ -13,9 +13,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from experiments import plotting
 from favor_jax import core
 from favor_jax.core import draw_projection
-from experiments import plotting
 
 # The seed article's published table (n=64, d=32, inputs ×0.3): its MSE is flat in M.
 SEED_TABLE = {32: 0.000958, 64: 0.000857, 128: 0.000871, 256: 0.000870, 512: 0.000927}

@@ -1,12 +1,15 @@
 """The one entry point for every experiment: an ml_collections config file and a work directory.
 
-    python -m experiments.main --config=experiments/configs/NAME.py --workdir=DIR [--config.FIELD=VALUE]
+    python -m experiments.main --config=experiments/configs/NAME.py[:quick] --workdir=DIR \
+        [--config.FIELD=VALUE ...]
 
-Writes DIR/config.json, DIR/results.json (a list of flat records), DIR/summary.md
-and the study's *.png plots; training studies also write one subdirectory per
-run (metrics.jsonl, checkpoints/, loss.png) and resume from it when rerun.
-A --config.FIELD value applies to every variant of a sweep; one that a variant
-to run sets to another value stops the command, naming both.
+``NAME.py:quick`` runs the config's quick version (its ``get_config("quick")``);
+``--config.quick=True`` asks for the same. Writes DIR/config.json (the config
+as run, ``quick`` included), DIR/results.json (a list of flat records),
+DIR/summary.md and the study's *.png plots; training studies also write one
+subdirectory per run (metrics.jsonl, checkpoints/, loss.png) and resume from
+it when rerun. A --config.FIELD value applies to every variant of a sweep; one
+that a variant to run sets to another value stops the command, naming both.
 """
 
 from __future__ import annotations
@@ -45,15 +48,54 @@ def machine() -> dict:
               devices=sorted({d.device_kind for d in jax.devices()}))
 
 
+def _flat(tree: dict, prefix: str = "") -> dict:
+  """{"dotted.field": value} of a nested dict."""
+  out = {}
+  for key, value in tree.items():
+    if isinstance(value, dict):
+      out.update(_flat(value, f"{prefix}{key}."))
+    else:
+      out[f"{prefix}{key}"] = value
+  return out
+
+
+def resolve_quick(config, overrides: dict):
+  """The config to run, given ``config.quick``.
+
+  ``FILE.py:quick`` is the quick version already. ``quick=True`` set on FILE's full version
+  (``--config.quick=True``) asks for it: FILE's ``get_config("quick")`` with the same command-line values.
+  Where ``quick`` could not take effect it stops: ``quick=True`` on a config that holds none of the quick
+  version's values and differs from FILE's full version beyond the command line (nothing to rebuild it
+  from), or ``--config.quick=False`` on the quick version.
+  """
+  name = config.get("config_name", config.experiment)
+  module = importlib.import_module(f"experiments.configs.{name}")
+  full, quick = (_flat(common.set_fields(module.get_config(arg), overrides).to_dict())
+                 for arg in (None, "quick"))
+  given = _flat(config.to_dict())
+  for fields in (full, quick, given):
+    fields.pop("quick", None)
+  differ = sorted(k for k in full.keys() | quick.keys() if full.get(k) != quick.get(k))
+  if config.get("quick") and given == full:
+    return common.set_fields(module.get_config("quick"), overrides)
+  if config.get("quick") and differ and all(given.get(k) == full.get(k) for k in differ):
+    raise ValueError(f"config.quick=True, but the config holds none of the values of {name}.py's quick "
+                     f"version ({', '.join(differ)}) and differs from its full version beyond the command "
+                     f"line, so the quick version cannot be built from it: start from get_config('quick')")
+  if overrides.get("quick") is False and differ and given == quick:
+    raise ValueError(f"--config.quick=False would not undo --config={name}.py:quick (its values stay): "
+                     "drop ':quick' to run the full version")
+  return config
+
+
 def run(config, workdir, overrides=None) -> list[dict]:
-  """Runs ``config``'s study; ``overrides`` (dotted fields, the command line's) win over the quick version's
-  values and apply to every variant; one that a variant to run sets to another value stops the run."""
+  """Runs ``config``'s study; ``overrides`` (dotted fields, the command line's, already set in ``config``)
+  apply to every variant, and one that a variant to run sets to another value stops the run."""
+  overrides = dict(overrides or {})
   if config.experiment not in STUDIES:
     raise ValueError(f"unknown experiment {config.experiment!r}; choose one of {sorted(STUDIES)}")
-  if config.get("quick"):
-    config_module = importlib.import_module(f"experiments.configs.{config.get('config_name', config.experiment)}")
-    config = common.set_fields(config_module.apply_quick(config), overrides or {})
-  common.check_overrides(config, overrides or {})
+  config = resolve_quick(config, overrides)
+  common.check_overrides(config, overrides)
   workdir = common.check_workdir(workdir)
   if config.get("mesh") is not None and config.mesh.distributed:
     jax.distributed.initialize()  # multi-host: coordinator and process ids from the launcher's environment

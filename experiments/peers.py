@@ -142,7 +142,8 @@ def summarize(records, config) -> str:
   lines = ["# favor_jax vs performer-pytorch (CPU)", "",
            f"B={config.batch}, H={config.heads}, D={config.head_dim}, M={config.num_features}, float32, "
            f"{config.threads or os.cpu_count()} threads each, median of {config.repeats}, each case in its "
-           "own process; memory = peak RSS over the runs (warm-up included) − RSS before them (JAX compiled ahead).", "",
+           "own process; memory = peak RSS over the runs (warm-up included) − RSS before them "
+           "(JAX compiled ahead).", "",
            "| mode | L | pass | favor_jax (s) | performer-pytorch (s) | speed-up | memory ratio (ours/theirs) |",
            "| --- | --- | --- | --- | --- | --- | --- |"]
   timing = {(r["library"], r["causal"], r["seq_len"], r["pass"]): r for r in records if r["kind"] == "timing"}

@@ -14,9 +14,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType
 
+from experiments import plotting
 from experiments.speed import inputs, median_seconds
 from favor_jax import core, parallel
-from experiments import plotting
 
 
 def run(config, progress=print, workdir=None):

@@ -139,10 +139,15 @@ def measure(job):
     if job["pass"] == "fwd" and job["dtype"] != "float32":
       rec["rel_error"] = _rel_error(job["method"], job["causal"], q, k, v, p, compiled(q, k, v, p))
     return dict(rec, status="ok")
-  except Exception as e:  # noqa: BLE001 — an allocation failure is a result here
-    if "RESOURCE_EXHAUSTED" not in str(e) and "memory" not in str(e).lower():
+  except jax.errors.JaxRuntimeError as e:  # an allocation failure is a result here; any other error is not
+    if not out_of_memory(e):
       raise
     return dict(rec, status="out_of_memory")
+
+
+def out_of_memory(error: Exception) -> bool:
+  """Whether ``error`` is XLA's allocation failure: a runtime error with status RESOURCE_EXHAUSTED."""
+  return isinstance(error, jax.errors.JaxRuntimeError) and str(error).startswith("RESOURCE_EXHAUSTED")
 
 
 def jobs(config, ceiling, limit):
@@ -199,7 +204,8 @@ def summarize(records, config) -> str:
            f"{config.dtype}; median of {config.repeats}; matmul ceiling "
            f"{records[0]['matmul_gflops_per_s']:.1f} GFLOP/s; memory: {where}; out_of_memory = the compiled "
            f"program needs more than {records[0]['memory_limit_bytes'] / 2**30:.1f} GiB (its need in MB).", "",
-           "| L | method | causal | pass | time (s) | memory (MB) | GFLOP/s | of matmul |" + (" rel. error |" if err else ""),
+           "| L | method | causal | pass | time (s) | memory (MB) | GFLOP/s | of matmul |"
+           + (" rel. error |" if err else ""),
            "| --- | --- | --- | --- | --- | --- | --- | --- |" + (" --- |" if err else "")]
   for r in records:
     head = f"| {r['seq_len']} | {r['method']} | {r['causal']} | {r['pass']} |"

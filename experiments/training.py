@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import orbax.checkpoint as ocp
+import tqdm
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -29,6 +30,8 @@ from favor_jax import core, layers
 from favor_jax.layers import linen as favor_linen
 
 TIMING_FIELDS = ("elapsed_s", "steps_per_s")  # the only metrics that differ between identical runs
+# tqdm's meter, its rate in steps/s
+PROGRESS = "{l_bar}{bar:24}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}, {rate_noinv_fmt}]"
 
 
 class TrainState(NamedTuple):
@@ -49,16 +52,20 @@ def _check(ok: bool, message: str) -> None:
 def check_config(config) -> None:
   """Rejects bad values with a message naming the field, before any data or compilation."""
   a, m, t = config.attention, config.model, config.train
-  _check(a.type in models.ATTENTION_TYPES, f"attention.type must be one of {models.ATTENTION_TYPES}, got {a.type!r}")
+  _check(a.type in models.ATTENTION_TYPES,
+         f"attention.type must be one of {models.ATTENTION_TYPES}, got {a.type!r}")
   for name, value in (("model.d_model", m.d_model), ("model.num_layers", m.num_layers),
                       ("model.num_heads", m.num_heads), ("model.mlp_dim", m.mlp_dim),
                       ("train.steps", t.steps), ("train.batch_size", t.batch_size),
                       ("train.log_every", t.log_every), ("train.eval_every", t.eval_every),
                       ("train.checkpoint_every", t.checkpoint_every)):
     tasks.positive_int(name, value)
-  _check(m.positions in models.POSITIONS, f"model.positions must be one of {models.POSITIONS}, got {m.positions!r}")
-  _check(m.d_model % m.num_heads == 0, f"model.d_model {m.d_model} must be divisible by model.num_heads {m.num_heads}")
-  _check(m.positions != "rotary" or (m.d_model // m.num_heads) % 2 == 0, "rotary positions need an even head dim")
+  _check(m.positions in models.POSITIONS,
+         f"model.positions must be one of {models.POSITIONS}, got {m.positions!r}")
+  _check(m.d_model % m.num_heads == 0,
+         f"model.d_model {m.d_model} must be divisible by model.num_heads {m.num_heads}")
+  _check(m.positions != "rotary" or (m.d_model // m.num_heads) % 2 == 0,
+         "rotary positions need an even head dim")
   _check(t.lr > 0, f"train.lr must be > 0, got {t.lr}")
   _check(isinstance(t.warmup_steps, int) and 0 <= t.warmup_steps < t.steps,
          f"train.warmup_steps must be an int in [0, train.steps={t.steps}), got {t.warmup_steps!r}")
@@ -77,11 +84,13 @@ def check_config(config) -> None:
   mesh = config.mesh
   for name in ("data", "sequence"):
     tasks.positive_int(f"mesh.{name}", mesh[name])
-  _check(t.batch_size % mesh.data == 0, f"train.batch_size {t.batch_size} must be divisible by mesh.data {mesh.data}")
+  _check(t.batch_size % mesh.data == 0,
+         f"train.batch_size {t.batch_size} must be divisible by mesh.data {mesh.data}")
   _check(mesh.sequence == 1 or a.type == "favor",
          f"mesh.sequence={mesh.sequence} (sequence parallelism) needs attention.type='favor', got {a.type!r}")
   _check(isinstance(t.stop_after, int) and 0 <= t.stop_after <= t.steps,
-         f"train.stop_after must be an int in [0, train.steps={t.steps}] (0 = run to the end), got {t.stop_after!r}")
+         f"train.stop_after must be an int in [0, train.steps={t.steps}] (0 = run to the end), "
+         f"got {t.stop_after!r}")
   tasks.check_data(config)
 
 
@@ -233,12 +242,6 @@ def _tensorboard(logdir):
   return SummaryWriter(logdir)
 
 
-def bar(step: int, total: int, rate: float, width: int = 24) -> str:
-  done = int(width * step / total)
-  eta = (total - step) / rate if rate > 0 else float("nan")
-  return f"[{'#' * done}{'.' * (width - done)}] {step}/{total} {rate:.2f} steps/s ETA {eta:.0f}s"
-
-
 def _raise_if_nonfinite(state: TrainState) -> None:
   bad = int(state.nonfinite_step)
   if bad >= 0:
@@ -309,8 +312,9 @@ def train(config, workdir: str, progress=print, init_params=None) -> tuple[list[
   checkpoints, state = open_checkpoints(os.path.join(workdir, "checkpoints"), state, progress)
   step, position = int(state.step), int(state.data_position)
   log = MetricsLog(os.path.join(workdir, "metrics.jsonl"), keep_through=step)
-  train_step = make_train_step(model, optimizer, config.attention.redraw_every, jax.random.PRNGKey(t.seed + 1),
-                               (shardings, NamedSharding(mesh, P("data"))))  # redraws: a key of their own
+  redraw_key = jax.random.PRNGKey(t.seed + 1)  # redraws: a key of their own
+  train_step = make_train_step(model, optimizer, config.attention.redraw_every, redraw_key,
+                               (shardings, NamedSharding(mesh, P("data"))))
   evaluate = make_eval(model, task, mesh)
   lr = make_lr(t)
   if step == 0:
@@ -322,14 +326,18 @@ def train(config, workdir: str, progress=print, init_params=None) -> tuple[list[
   while step < end:
     state = train_step(state, put_batch(task.train_batch(position), mesh))
     step, position = step + 1, position + 1
-    timing = lambda: dict(elapsed_s=time.time() - start, steps_per_s=(step - start_step) / (time.time() - start))
+    timing = lambda: dict(elapsed_s=time.time() - start,
+                          steps_per_s=(step - start_step) / (time.time() - start))
     if step % t.log_every == 0 or step == t.steps:
       _raise_if_nonfinite(state)
       sums = np.asarray(state.sums_3, np.float64)
       state = state._replace(sums_3=jax.device_put(jnp.zeros(3, jnp.float32), shardings.sums_3))
       log.write(dict(kind="train", step=step, train_loss=sums[0] / sums[2], train_accuracy=sums[1] / sums[2],
                      lr=float(lr(step - 1)), **timing()))
-      progress(f"{bar(step, t.steps, log.records[-1]['steps_per_s'])} loss {log.records[-1]['train_loss']:.4f}")
+      record = log.records[-1]  # ETA from this process's rate (a resumed run restarts the clock)
+      meter = tqdm.tqdm.format_meter(step, t.steps, record["elapsed_s"], rate=record["steps_per_s"],
+                                     unit=" steps", ascii=" #", bar_format=PROGRESS)
+      progress(f"{meter} loss {record['train_loss']:.4f}")
     if step % t.eval_every == 0 or step == t.steps:
       log.write(dict(kind="eval", step=step, **evaluate(state), **timing()))
     if step % t.checkpoint_every == 0 or step == end:

@@ -1,16 +1,20 @@
 """Approximation study: FAVOR error against exact softmax attention, vs M, per kernel and projection.
 
     python -m experiments.main --config=experiments/configs/approximation.py --workdir=workdir/approximation
-    python -m experiments.main --config=experiments/configs/approximation.py --workdir=/tmp/a --config.quick=True
+    python -m experiments.main --config=experiments/configs/approximation.py:quick --workdir=/tmp/a
 """
 
 import ml_collections
 
+from experiments.configs import common
 
-def get_config():
+
+def get_config(arg=None):
+  """The study; ``arg="quick"``: a smoke version, about 20 s on 2 CPU cores (fewer kernels, Ms, draws)."""
+  quick = common.is_quick(arg)
   config = ml_collections.ConfigDict()
   config.experiment = "approximation"  # which study experiments.main runs
-  config.quick = False  # True: a smoke version, about 20 s on 2 CPU cores (fewer kernels, M values, draws)
+  config.quick = quick  # True: the quick version (FILE.py:quick); set on the full one, asks for it
   config.seed = 0  # seed of the inputs and of the projection draws
   config.num_draws = 20  # projection draws averaged per configuration (>= 20 for published numbers)
   # Sweeps.
@@ -20,14 +24,10 @@ def get_config():
   # (name, sequence length, head dim, input scale): q, k ~ N(0, 1)·scale, v ~ N(0, 1).
   # "seed" is the seed article's experiment; "hard" is d=64 with unit-variance q, k.
   config.settings = (("seed", 64, 32, 0.3), ("moderate", 256, 64, 0.5), ("hard", 256, 64, 1.0))
-  return config
-
-
-def apply_quick(config):
-  """The smoke version of this config (applied by experiments.main when config.quick)."""
-  config.num_draws = 4
-  config.kernels = ("positive", "hyperbolic", "optimal_positive")
-  config.projections = ("iid", "orthogonal")
-  config.num_features = (32, 128, 512)
-  config.settings = (("seed", 64, 32, 0.3),)
+  if quick:
+    config.num_draws = 4
+    config.kernels = ("positive", "hyperbolic", "optimal_positive")
+    config.projections = ("iid", "orthogonal")
+    config.num_features = (32, 128, 512)
+    config.settings = (("seed", 64, 32, 0.3),)
   return config

@@ -1,19 +1,24 @@
-"""Backward compatibility (Performer paper §4.2): train softmax, swap FAVOR in with the same weights, fine-tune.
+"""Backward compatibility (Performer §4.2): train softmax, swap FAVOR in under the same weights, fine-tune.
 
-    python -m experiments.main --config=experiments/configs/backward_compat.py --workdir=workdir/backward_compat
-    python -m experiments.main --config=experiments/configs/backward_compat.py --workdir=/tmp/b --config.quick=True
+    python -m experiments.main --config=experiments/configs/backward_compat.py \
+        --workdir=workdir/backward_compat
+    python -m experiments.main --config=experiments/configs/backward_compat.py:quick --workdir=/tmp/b
 """
 
 import ml_collections
 
-from experiments.configs import shakespeare
+from experiments.configs import common, shakespeare
 
 
-def get_config():
-  config = shakespeare.get_config()  # the same task, data and model as the Shakespeare experiment
+def get_config(arg=None):
+  """``arg="quick"``: CPU size, the Shakespeare quick model and its 1200 steps as pretraining, 300 fine-tune
+  steps."""
+  quick = common.is_quick(arg)
+  config = shakespeare.get_config(arg)  # the same task, data and model as the Shakespeare experiment
   config.experiment = "backward_compat"  # experiments.main runs experiments.backward_compat
-  config.config_name = "backward_compat"  # this file (for apply_quick)
-  config.train.steps = 3000  # softmax pretraining steps
+  config.config_name = "backward_compat"  # this file
+  if not quick:
+    config.train.steps = 3000  # softmax pretraining steps
   config.attention.type = "favor"  # the attention swapped in (variants override the kernel)
   config.finetune = ml_collections.ConfigDict()
   config.finetune.steps = 500  # fine-tune steps after the swap
@@ -23,14 +28,7 @@ def get_config():
   # Each variant fine-tunes from the pretrained softmax weights; "softmax_control" keeps softmax attention.
   config.variants = (("favor_positive", {}), ("favor_relu", {"attention.kernel": "relu"}),
                      ("softmax_control", {"attention.type": "softmax"}))
-  return config
-
-
-def apply_quick(config):
-  """CPU size: the Shakespeare quick model and its 1200 steps as pretraining, 300 fine-tune steps."""
-  config = shakespeare.apply_quick(config)
-  config.finetune.steps = 300
-  config.finetune.lr = 1e-3
-  config.finetune.eval_every = 25
-  config.only = "favor_positive,softmax_control"  # a subset of the variants (overridable)
+  if quick:
+    config.finetune.update(steps=300, lr=1e-3, eval_every=25)
+    config.only = "favor_positive,softmax_control"  # a subset of the variants (overridable)
   return config

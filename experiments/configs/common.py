@@ -1,12 +1,22 @@
 """Fields every training config shares (model, attention, optimiser, logging); each config overrides some.
 
-Also the rules every study shares: dotted overrides, variants, the work directory.
+Also the rules every study shares: the quick version, dotted overrides, variants, the work directory.
 """
 
 import os
 import tempfile
 
 import ml_collections
+
+
+def is_quick(arg) -> bool:
+  """Whether ``get_config(arg)`` is asked for the quick version: ``arg`` is the text after ':' in
+  ``--config=FILE.py:quick`` (ml_collections passes it to ``get_config``), None without one."""
+  if arg is None or arg == "":
+    return False
+  if arg == "quick":
+    return True
+  raise ValueError(f"a config file takes 'quick' or nothing after ':' (--config=FILE.py:quick), got {arg!r}")
 
 
 def set_fields(config, fields: dict, what: str = "override"):
@@ -88,12 +98,12 @@ def check_workdir(path, what: str = "--workdir") -> str:
   return path
 
 
-def training_config(name: str, task: str) -> ml_collections.ConfigDict:
+def training_config(name: str, task: str, quick: bool) -> ml_collections.ConfigDict:
   config = ml_collections.ConfigDict()
   config.experiment = "train"  # experiments.main runs experiments.sweep: one training run per variant
-  config.config_name = name  # the config file's module (experiments.configs.NAME), for apply_quick
+  config.config_name = name  # the config file's module (experiments.configs.NAME)
   config.task = task  # experiments.tasks: "mqar", "listops" or "shakespeare"
-  config.quick = False  # True: the config's apply_quick() smoke size (seconds to a few minutes on a CPU)
+  config.quick = quick  # True: the quick version (FILE.py:quick); set on the full one, asks for it
   config.data = ml_collections.ConfigDict()  # the task's own fields (see the config file)
 
   config.model = ml_collections.ConfigDict()
@@ -116,7 +126,7 @@ def training_config(name: str, task: str) -> ml_collections.ConfigDict:
   config.train.steps = 1000  # optimiser steps
   config.train.batch_size = 32  # sequences per step
   config.train.lr = 1e-3  # peak AdamW learning rate
-  config.train.warmup_steps = 100  # linear warmup from 0, then cosine decay
+  config.train.warmup_steps = 100  # linear warmup from lr/warmup_steps to lr, then cosine decay
   config.train.final_lr_fraction = 0.1  # learning rate at the last step, as a fraction of lr
   config.train.b1 = 0.9  # AdamW β1
   config.train.b2 = 0.98  # AdamW β2
@@ -125,7 +135,7 @@ def training_config(name: str, task: str) -> ml_collections.ConfigDict:
   config.train.log_every = 50  # steps between train-loss records (mean over the window)
   config.train.eval_every = 200  # steps between evaluations on the held-out set
   config.train.checkpoint_every = 200  # steps between orbax checkpoints (resume from the latest)
-  config.train.stop_after = 0  # stop (with a checkpoint) after this step, e.g. a preemptible job; 0 = train.steps
+  config.train.stop_after = 0  # stop (with a checkpoint) after this step (preemptible jobs); 0 = train.steps
 
   config.mesh = ml_collections.ConfigDict()
   config.mesh.data = 1  # devices on the "data" axis: the batch is split over them

@@ -1,14 +1,17 @@
 """ListOps (Long Range Arena): an encoder classifier over nested MAX/MIN/MED/SM expressions, softmax vs FAVOR.
 
-    python -m experiments.main --config=experiments/configs/listops.py --workdir=workdir/listops   # LRA size (TPU)
-    python -m experiments.main --config=experiments/configs/listops.py --workdir=/tmp/l --config.quick=True
+    # LRA size (accelerators):
+    python -m experiments.main --config=experiments/configs/listops.py --workdir=workdir/listops
+    python -m experiments.main --config=experiments/configs/listops.py:quick --workdir=/tmp/l
 """
 
-from experiments.configs.common import training_config
+from experiments.configs import common
 
 
-def get_config():
-  config = training_config("listops", "listops")
+def get_config(arg=None):
+  """LRA size; ``arg="quick"``: CPU size, short shallow expressions, a small model, a few hundred steps."""
+  quick = common.is_quick(arg)
+  config = common.training_config("listops", "listops", quick)
   config.data.max_depth = 10  # deepest nesting (LRA: 10)
   config.data.max_args = 10  # most arguments per operator (LRA: 10)
   config.data.min_length = 500  # shortest expression in tokens (LRA: 500)
@@ -31,26 +34,10 @@ def get_config():
   config.variants = (("softmax", {}), ("favor_positive", favor("positive")),
                      ("favor_positive_redraw", {**favor("positive"), "attention.redraw_every": 500}),
                      ("favor_relu", favor("relu")))
-  return config
-
-
-def apply_quick(config):
-  """CPU size: short shallow expressions, a small model, a few hundred steps."""
-  config.data.max_depth = 4
-  config.data.max_args = 5
-  config.data.min_length = 16
-  config.data.max_length = 96
-  config.data.num_train = 4000
-  config.data.num_eval = 256
-  config.model.d_model = 64
-  config.model.num_layers = 2
-  config.model.num_heads = 2
-  config.model.mlp_dim = 128
-  config.attention.num_features = 64
-  config.train.steps = 600
-  config.train.warmup_steps = 50
-  config.train.lr = 2e-3
-  config.train.eval_every = 100
-  config.train.checkpoint_every = 200
-  config.only = "softmax,favor_positive"  # a subset of the variants (still overridable with --config.only)
+  if quick:
+    config.data.update(max_depth=4, max_args=5, min_length=16, max_length=96, num_train=4000, num_eval=256)
+    config.model.update(d_model=64, num_layers=2, num_heads=2, mlp_dim=128)
+    config.attention.num_features = 64
+    config.train.update(steps=600, warmup_steps=50, lr=2e-3, eval_every=100, checkpoint_every=200)
+    config.only = "softmax,favor_positive"  # a subset of the variants (still overridable with --config.only)
   return config

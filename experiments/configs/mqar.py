@@ -1,14 +1,17 @@
-"""Multi-query associative recall (Zoology): softmax vs FAVOR kernels at M ∈ {64, 256}, with and without redraw.
+"""Multi-query associative recall (Zoology): softmax vs FAVOR kernels at M ∈ {64, 256}, with/without redraw.
 
     python -m experiments.main --config=experiments/configs/mqar.py --workdir=workdir/mqar
-    python -m experiments.main --config=experiments/configs/mqar.py --workdir=/tmp/m --config.quick=True
+    python -m experiments.main --config=experiments/configs/mqar.py:quick --workdir=/tmp/m
 """
 
-from experiments.configs.common import training_config
+from experiments.configs import common
 
 
-def get_config():
-  config = training_config("mqar", "mqar")
+def get_config(arg=None):
+  """The study; ``arg="quick"``: a smoke size (about 40 s on 2 CPU cores), 60 steps of two variants; it
+  checks the pipeline, and no variant learns the task in 60 steps."""
+  quick = common.is_quick(arg)
+  config = common.training_config("mqar", "mqar", quick)
   config.data.seq_len = 128  # L: tokens per sequence
   config.data.num_kv_pairs = 8  # N: key-value pairs, each queried once
   config.data.vocab_size = 256  # keys from [1, 128), values from [128, 256)
@@ -29,18 +32,9 @@ def get_config():
       (f"{kernel}_m{m}" + (f"_redraw{redraw}" if redraw else ""), favor(kernel, m, redraw))
       for kernel in ("positive", "hyperbolic", "relu") for m in (64, 256) for redraw in (0, 100)
       if kernel == "positive" or (m, redraw) == (64, 0))  # the M and redraw ablations on FAVOR+
-  return config
-
-
-def apply_quick(config):
-  """Smoke size (about 40 s on 2 CPU cores): 60 steps of two variants; it checks the pipeline, and
-  no variant learns the task in 60 steps."""
-  config.train.steps = 60
-  config.train.batch_size = 32
-  config.train.warmup_steps = 10
-  config.train.log_every = 10
-  config.train.eval_every = 30
-  config.train.checkpoint_every = 30
-  config.data.num_eval_batches = 2
-  config.only = "softmax,positive_m64"  # a subset of the variants (still overridable with --config.only)
+  if quick:
+    config.train.update(steps=60, batch_size=32, warmup_steps=10, log_every=10, eval_every=30,
+                        checkpoint_every=30)
+    config.data.num_eval_batches = 2
+    config.only = "softmax,positive_m64"  # a subset of the variants (still overridable with --config.only)
   return config

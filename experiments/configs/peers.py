@@ -2,16 +2,20 @@
 
     pip install -e ".[peers]"
     python -m experiments.main --config=experiments/configs/peers.py --workdir=workdir/peers
-    python -m experiments.main --config=experiments/configs/peers.py --workdir=/tmp/p --config.quick=True
+    python -m experiments.main --config=experiments/configs/peers.py:quick --workdir=/tmp/p
 """
 
 import ml_collections
 
+from experiments.configs import common
 
-def get_config():
+
+def get_config(arg=None):
+  """The comparison; ``arg="quick"``: a seconds-long smoke version."""
+  quick = common.is_quick(arg)
   config = ml_collections.ConfigDict()
   config.experiment = "peers"  # which study experiments.main runs
-  config.quick = False  # True: a seconds-long smoke version
+  config.quick = quick  # True: the quick version (FILE.py:quick); set on the full one, asks for it
   config.seed = 0  # seed of the approximation inputs
   config.batch = 1  # B
   config.heads = 8  # H
@@ -25,17 +29,13 @@ def get_config():
   config.repeats = 3  # timed runs per case (median reported)
   config.approx_seq_len = 512  # length of the approximation comparison
   config.approx_draws = 5  # feature draws per library in the approximation comparison
-  return config
-
-
-def apply_quick(config):
-  """The smoke version of this config (applied by experiments.main when config.quick)."""
-  config.heads = 2
-  config.num_features = 32
-  config.seq_lens = (256,)
-  config.causal_seq_lens = (256,)
-  config.passes = ("fwd",)
-  config.repeats = 1
-  config.approx_seq_len = 64
-  config.approx_draws = 2
+  if quick:
+    config.heads = 2
+    config.num_features = 32
+    config.seq_lens = (256,)
+    config.causal_seq_lens = (256,)
+    config.passes = ("fwd",)
+    config.repeats = 1
+    config.approx_seq_len = 64
+    config.approx_draws = 2
   return config

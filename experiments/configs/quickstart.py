@@ -8,12 +8,15 @@ directory per variant (metrics.jsonl, checkpoints, loss.png). Rerunning the
 command resumes where it stopped.
 """
 
-from experiments.configs import shakespeare
+from experiments.configs import common, shakespeare
 
 
-def get_config():
-  config = shakespeare.apply_quick(shakespeare.get_config())  # the Shakespeare CPU-size model and data
-  config.config_name = "quickstart"  # this file (for apply_quick)
+def get_config(arg=None):
+  """``arg="quick"``: a seconds-long smoke version, two variants, 20 steps."""
+  quick = common.is_quick(arg)
+  config = shakespeare.get_config("quick")  # the Shakespeare CPU-size model and data
+  config.config_name = "quickstart"  # this file
+  config.quick = quick  # this file's quick version, not Shakespeare's
   config.train.steps = 500  # optimiser steps per variant
   config.train.eval_every = 100  # steps between validation evaluations
   config.train.checkpoint_every = 100  # steps between checkpoints
@@ -24,15 +27,8 @@ def get_config():
                      ("favor_positive_redraw", {**favor("positive"), "attention.redraw_every": 50}),
                      ("favor_relu", favor("relu")))  # ReLU random features (Performer-ReLU)
   config.only = ""  # run every variant
-  return config
-
-
-def apply_quick(config):
-  """A seconds-long smoke version: two variants, 20 steps."""
-  config.train.steps = 20
-  config.train.warmup_steps = 5
-  config.train.eval_every = 10
-  config.train.log_every = 10
-  config.data.num_eval_batches = 1
-  config.only = "softmax,favor_positive"  # a subset of the variants (still overridable with --config.only)
+  if quick:
+    config.train.update(steps=20, warmup_steps=5, eval_every=10, log_every=10)
+    config.data.num_eval_batches = 1
+    config.only = "softmax,favor_positive"  # a subset of the variants (still overridable with --config.only)
   return config

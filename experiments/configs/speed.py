@@ -1,7 +1,7 @@
 """Speed and memory study: exact attention vs FAVOR+ (bidirectional and causal algorithms) against length.
 
     python -m experiments.main --config=experiments/configs/speed.py --workdir=workdir/speed
-    python -m experiments.main --config=experiments/configs/speed.py --workdir=/tmp/s --config.quick=True
+    python -m experiments.main --config=experiments/configs/speed.py:quick --workdir=/tmp/s
     # on a GPU (cuDNN is the exact baseline there):
     python -m experiments.main --config=experiments/configs/speed.py --workdir=workdir/speed_gpu \
         --config.dtype=bfloat16 --config.memory=compiled
@@ -9,11 +9,16 @@
 
 import ml_collections
 
+from experiments.configs import common
 
-def get_config():
+
+def get_config(arg=None):
+  """The study; ``arg="quick"``: a smoke version (about 30 s on 2 CPU cores), two short lengths, every
+  method but the slow-to-compile materialised prefix states, all in one process."""
+  quick = common.is_quick(arg)
   config = ml_collections.ConfigDict()
   config.experiment = "speed"  # which study experiments.main runs
-  config.quick = False  # True: a smoke version (about 30 s on 2 CPU cores; see apply_quick)
+  config.quick = quick  # True: the quick version (FILE.py:quick); set on the full one, asks for it
   config.batch = 1  # B
   config.heads = 8  # H
   config.head_dim = 64  # D (= Dv)
@@ -31,16 +36,11 @@ def get_config():
   config.memory = "process"
   config.memory_limit_gb = 0.0  # a program needing more is recorded as out_of_memory, not run (0: auto)
   config.scan_max_len = 16384  # the per-token scan is skipped (recorded) beyond this length
-  return config
-
-
-def apply_quick(config):
-  """The smoke version of this config (applied by experiments.main when config.quick): two short lengths,
-  every method but the slow-to-compile materialised prefix states, all in one process."""
-  config.seq_lens = (256, 1024)
-  config.heads = 2
-  config.num_features = 64
-  config.methods = tuple(m for m in config.methods if m != "favor_cumsum")
-  config.repeats = 2
-  config.memory = "compiled"  # a process per configuration costs a JAX start-up each (~3 s)
+  if quick:
+    config.seq_lens = (256, 1024)
+    config.heads = 2
+    config.num_features = 64
+    config.methods = tuple(m for m in config.methods if m != "favor_cumsum")
+    config.repeats = 2
+    config.memory = "compiled"  # a process per configuration costs a JAX start-up each (~3 s)
   return config

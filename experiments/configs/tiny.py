@@ -3,7 +3,7 @@
     python -m experiments.main --config=experiments/configs/tiny.py --workdir=/tmp/tiny
 """
 
-from experiments.configs import mqar
+from experiments.configs import common, mqar
 
 
 def shrink(config):
@@ -18,12 +18,9 @@ def shrink(config):
   return config
 
 
-def get_config():
+def get_config(arg=None):
+  """``arg="quick"``: the same (already seconds long)."""
   config = shrink(mqar.get_config())
-  config.config_name = "tiny"  # this file (for apply_quick)
-  return config
-
-
-def apply_quick(config):
-  """Already seconds long."""
+  config.config_name = "tiny"  # this file
+  config.quick = common.is_quick(arg)
   return config

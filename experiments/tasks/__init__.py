@@ -8,7 +8,8 @@ exactly the batches an uninterrupted run would.
 from __future__ import annotations
 
 import importlib
-from typing import Callable, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 import numpy as np
 

@@ -81,5 +81,5 @@ def make_task(data, batch_size: int, seed: int) -> Task:
   eval_batches = [Batch(eval_tokens[i:i + batch_size], eval_labels[i:i + batch_size],
                         np.ones(len(eval_labels[i:i + batch_size]), np.float32))
                   for i in range(0, data.num_eval, batch_size)]
-  return Task(name="listops", vocab_size=len(VOCAB) + 1, num_classes=10, metric="eval_accuracy", max_len=data.max_length,
-              train_batch=train_batch, eval_batches=eval_batches)
+  return Task(name="listops", vocab_size=len(VOCAB) + 1, num_classes=10, metric="eval_accuracy",
+              max_len=data.max_length, train_batch=train_batch, eval_batches=eval_batches)

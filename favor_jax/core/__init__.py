@@ -28,7 +28,6 @@ from favor_jax.core.attention import (
     linear_attention,
     softmax_attention,
 )
-from favor_jax.core.shared import RecurrentState
 from favor_jax.core.kernels import KERNELS, get_kernel, oprf_rho
 from favor_jax.core.projections import (
     PROJECTIONS,
@@ -38,6 +37,7 @@ from favor_jax.core.projections import (
     orthogonal_projection,
     simplex_projection,
 )
+from favor_jax.core.shared import RecurrentState
 
 __all__ = [
     "PROJECTIONS",

@@ -14,9 +14,8 @@ from jaxtyping import Array, Bool, Float
 
 from favor_jax.core import bidirectional as bidirectional_lib
 from favor_jax.core import causal as causal_lib
-from favor_jax.core import checks
+from favor_jax.core import checks, shared
 from favor_jax.core import kernels as kernels_lib
-from favor_jax.core import shared
 
 __all__ = [
     "softmax_attention", "linear_attention", "favor_attention", "favor_decode_init", "favor_decode_step",

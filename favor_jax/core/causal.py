@@ -128,7 +128,7 @@ def chunked(feature_fn, q, k, v, mask, *, chunk_size: int = 64, block_chunks: in
   return y[..., :-1], y[..., -1]
 
 
-def exclusive_prefix(state: "RecurrentState", axis_name) -> "RecurrentState":
+def exclusive_prefix(state: RecurrentState, axis_name) -> RecurrentState:
   """The state of every key on the devices before this one along ``axis_name`` (inside ``shard_map``).
 
   One ``all_gather`` of [devices, N, H, F, Dv+1] states, then the rescaled-sum

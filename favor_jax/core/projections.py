@@ -38,7 +38,7 @@ def _haar_orthogonal(key: PRNGKeyArray, num_blocks: int, dim: int) -> Float[Arra
   return q_nDD * sign_nD[:, None, :]
 
 
-def _chi_norms(key: PRNGKeyArray, num_features: int, dim: int) -> Float[Array, "M"]:
+def _chi_norms(key: PRNGKeyArray, num_features: int, dim: int) -> Float[Array, " M"]:
   """Norms of independent N(0, I_dim) vectors: χ_dim-distributed."""
   return jnp.linalg.norm(jax.random.normal(key, (num_features, dim), jnp.float32), axis=-1)
 

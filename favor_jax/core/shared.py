@@ -23,7 +23,6 @@ from jaxtyping import Array
 
 from favor_jax.core import checks
 from favor_jax.core import kernels as kernels_lib
-from favor_jax.core.kernels import LogFeatures
 
 NEG_INF = -jnp.inf
 
@@ -143,7 +142,7 @@ class RecurrentState(NamedTuple):
   s: Array  # [N, H, F, Dv+1]
 
 
-def initial_state(feature_fn, q, k, v) -> "RecurrentState":
+def initial_state(feature_fn, q, k, v) -> RecurrentState:
   """The state before any key; F and the width of μ are read off the feature map's shapes."""
   fk = jax.eval_shape(feature_fn, q[:, :1], k[:, :1])[1]
   f = fk.mult.shape[-1] if fk.mult is not None else fk.log.shape[-1]

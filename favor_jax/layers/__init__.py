@@ -9,7 +9,7 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp

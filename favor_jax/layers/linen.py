@@ -13,7 +13,7 @@ Variables besides ``params``:
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import flax.linen as nn
 import jax
@@ -21,9 +21,7 @@ import jax.numpy as jnp
 from jax import Array
 from jax.sharding import Mesh
 
-from favor_jax import core
-from favor_jax import layers
-from favor_jax import parallel
+from favor_jax import core, layers, parallel
 
 __all__ = ["FavorAttention", "redraw"]
 

@@ -12,8 +12,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from favor_jax import core
-from favor_jax import layers
+from favor_jax import core, layers
 
 __all__ = ["FavorAttention", "FavorProjection", "FavorStats", "redraw"]
 

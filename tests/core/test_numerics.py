@@ -61,7 +61,7 @@ def _rho(name, q, k, mask):
   return core.oprf_rho(q, k, mask) if name == "optimal_positive" else None
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _favor(name, causal, method, chunk_size):
   return jax.jit(lambda q, k, v, proj, rho, mask: core.favor_attention(
       q, k, v, proj, kernel=name, causal=causal, causal_method=method, chunk_size=chunk_size,

@@ -13,9 +13,7 @@ def test_approximation_quick_run_writes_all_outputs(tmp_path):
   from experiments import main
   from experiments.configs import approximation as cfg
 
-  config = cfg.get_config()
-  config.quick = True
-  records = main.run(config, str(tmp_path))
+  records = main.run(cfg.get_config("quick"), str(tmp_path))
   for name in ("config.json", "results.json", "summary.md", "error_vs_m_seed.png", "seed_experiment.png"):
     assert (tmp_path / name).exists(), name
   fields = {"kernel", "projection", "num_features", "dim", "input_scale", "seq_len", "mse", "mse_ci95",
@@ -36,16 +34,17 @@ def test_command_line_overrides_and_bad_experiment(tmp_path):
   assert not (tmp_path / "results.json").exists()
 
 
-def test_notebook_executes(tmp_path):
+def test_notebook_executes(tmp_path, monkeypatch):
   nbformat = pytest.importorskip("nbformat")
   nbclient = pytest.importorskip("nbclient")
   nb = nbformat.read(ROOT / "notebooks" / "approximation.ipynb", as_version=4)
-  os.environ["FAVOR_NOTEBOOK_QUICK"] = "1"
+  monkeypatch.setenv("FAVOR_NOTEBOOK_QUICK", "1")  # the kernel process inherits the environment
   env_path = os.environ.get("PYTHONPATH", "")
-  os.environ["PYTHONPATH"] = f"{ROOT}:{env_path}" if env_path else str(ROOT)
+  monkeypatch.setenv("PYTHONPATH", f"{ROOT}:{env_path}" if env_path else str(ROOT))
   nbclient.NotebookClient(nb, timeout=600, kernel_name="python3",
                           resources={"metadata": {"path": str(ROOT)}}).execute()
-  outputs = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []))
+  code = [c for c in nb.cells if c.cell_type == "code"]
+  outputs = "".join(o.get("text", "") for c in code for o in c.get("outputs", []))
   assert "FAVOR+ here" in outputs
 
 
@@ -53,8 +52,7 @@ def test_speed_quick_run_records_every_method(tmp_path):
   from experiments import main
   from experiments.configs import speed as cfg
 
-  config = cfg.get_config()
-  config.quick = True
+  config = cfg.get_config("quick")
   config.memory = "compiled"  # one process; the per-process mode is tested below
   config.dtype = "bfloat16"
   config.memory_limit_gb = 0.004  # exact attention at L=1024 (8 MB of logits) is "out of memory" here
@@ -71,7 +69,7 @@ def test_speed_quick_run_records_every_method(tmp_path):
 
 
 def test_speed_memory_is_measured_in_a_fresh_process():
-  from experiments import isolation, speed
+  from experiments import isolation
 
   job = dict(seq_len=4096, batch=1, heads=2, head_dim=16, num_features=32, dtype="float32", repeats=1,
              memory="process", memory_limit_bytes=2 ** 34, scan_max_len=4096, matmul_gflops_per_s=1.0,
@@ -83,6 +81,30 @@ def test_speed_memory_is_measured_in_a_fresh_process():
   logits = 4096 * 4096 * 2 * 4
   assert exact["status"] == favor["status"] == "ok"
   assert exact["peak_bytes"] >= logits > favor["peak_bytes"] > 3 * 4096 * 2 * 16 * 4  # > its inputs
+
+
+def _job(**fields):
+  job = dict(batch=1, heads=1, head_dim=1, num_features=4, dtype="float32", repeats=1, memory="compiled",
+             memory_limit_bytes=2 ** 62, scan_max_len=4096, matmul_gflops_per_s=1.0, causal=False,
+             method="softmax", **{"pass": "fwd"})
+  return dict(job, **fields)
+
+
+def test_speed_records_an_allocation_failure_and_raises_other_errors(monkeypatch):
+  from experiments import speed
+
+  # [L, L] logits at L = 2**23 (256 TiB, beyond a 47-bit address space even where the kernel overcommits):
+  # XLA's allocation fails with RESOURCE_EXHAUSTED, which is a result.
+  assert speed.measure(_job(seq_len=2 ** 23))["status"] == "out_of_memory"
+
+  def wrong_memory_kind(*args, **kwargs):  # a real JAX error that mentions memory, not an allocation failure
+    import jax
+    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_hots")
+    return jax.device_put(args[1], sharding)
+
+  monkeypatch.setattr(speed, "median_seconds", wrong_memory_kind)
+  with pytest.raises(ValueError, match="Could not find memory"):
+    speed.measure(_job(seq_len=64))
 
 
 def test_peers_without_torch_exits_with_install_hint(monkeypatch):
@@ -100,9 +122,7 @@ def test_peers_quick_run(tmp_path):
   from experiments import main
   from experiments.configs import peers as cfg
 
-  config = cfg.get_config()
-  config.quick = True
-  records = main.run(config, str(tmp_path))
+  records = main.run(cfg.get_config("quick"), str(tmp_path))
   leak = {r["library"]: r["max_abs_change_before_t"] for r in records if r["kind"] == "causal_leak"}
   assert leak["favor_jax"] == 0.0  # ours is causal; the peer's global key max is not (recorded, not asserted)
   assert {r["library"] for r in records if r["kind"] == "timing"} == {"favor_jax", "performer_pytorch"}

@@ -49,14 +49,15 @@ def test_cli_override_that_a_variant_replaces_stops_the_command(tmp_path):
   assert not (tmp_path / "out").exists()  # stopped before anything was written
 
 
-@pytest.mark.parametrize("quick", [False, True])
-def test_override_of_a_field_a_selected_variant_sets_stops(quick, tmp_path, nothing_trains):
-  config = mqar_config.get_config()
-  config.quick = quick  # quick: the overrides are applied after apply_quick (softmax, positive_m64)
-  config, overrides = command_line(config, {"attention.kernel": "bogus"})
+@pytest.mark.parametrize("version", ["full", "mqar.py:quick", "--config.quick=True"])
+def test_override_of_a_field_a_selected_variant_sets_stops(version, tmp_path, nothing_trains):
+  config = mqar_config.get_config("quick" if version == "mqar.py:quick" else None)
+  quick = {"quick": True} if version == "--config.quick=True" else {}  # runs the quick version's variants
+  config, overrides = command_line(config, {**quick, "attention.kernel": "bogus"})
   with pytest.raises(ValueError, match=r"--config.attention.kernel=bogus would be replaced by variants? "
-                                       r"positive_m64 \(attention.kernel='positive'\)"):
+                                       r"positive_m64 \(attention.kernel='positive'\)") as stopped:
     main.run(config, str(tmp_path), overrides)
+  assert ("hyperbolic_m64" in str(stopped.value)) == (version == "full")  # quick runs softmax, positive_m64
 
 
 def test_override_no_variant_sets_is_checked_even_where_only_softmax_runs(tmp_path, nothing_trains):
@@ -67,7 +68,7 @@ def test_override_no_variant_sets_is_checked_even_where_only_softmax_runs(tmp_pa
 
 
 def test_override_wins_over_every_variant_that_leaves_the_field_alone():
-  config = mqar_config.apply_quick(mqar_config.get_config())
+  config = mqar_config.get_config("quick")
   overrides = {"train.lr": 0.01, "attention.kernel": "positive", "attention.chunk_size": 16}
   common.set_fields(config, overrides)
   common.check_overrides(config, overrides)  # positive_m64 sets attention.kernel to the same value: no clash
@@ -136,8 +137,11 @@ def reference(tmp_path_factory):
 
 def test_progress_says_what_happens_before_the_first_step(reference):
   _, messages, _, _ = reference
-  first_bar = next(i for i, m in enumerate(messages) if m.startswith("[#"))
-  before = " | ".join(messages[:first_bar])
+  meter = r"\| \d+/6 \[[\d:]+<[\d:]+, +[\d.]+ steps/s\] loss"  # step/total [elapsed<ETA, steps/s]
+  bars = [i for i, m in enumerate(messages) if re.search(meter, m)]
+  assert len(bars) == 3, messages  # train records at steps 2, 4, 6
+  assert messages[bars[-1]].startswith("100%|" + "#" * 24 + "| 6/6"), messages
+  before = " | ".join(messages[:bars[0]])
   for phrase in ("building the mqar task", "initialising the model", "evaluation at step 0",
                  "compiling the train step"):
     assert phrase in before, before

@@ -14,8 +14,8 @@ import pytest
 
 from experiments import main, models, sweep, tasks, training
 from experiments.configs import backward_compat as backward_compat_config
-from experiments.configs import listops as listops_config
 from experiments.configs import common
+from experiments.configs import listops as listops_config
 from experiments.configs import mqar as mqar_config
 from experiments.configs import tiny as tiny_config
 from experiments.tasks import listops, mqar, shakespeare
@@ -71,7 +71,7 @@ def _evaluate_listops(ids):
 
 
 def test_listops_labels_match_an_independent_evaluator():
-  data = listops_config.apply_quick(listops_config.get_config()).data
+  data = listops_config.get_config("quick").data
   tokens_NL, labels_N = listops.dataset(3, 64, data)
   lengths = (tokens_NL > 0).sum(1)
   assert lengths.min() >= data.min_length and lengths.max() <= data.max_length
@@ -237,7 +237,8 @@ def test_nonfinite_loss_stops_with_the_step(tmp_path):
 
 
 def _command(workdir, *overrides):
-  return [sys.executable, "-m", "experiments.main", "--config=experiments/configs/mqar.py", f"--workdir={workdir}",
+  return [sys.executable, "-m", "experiments.main", "--config=experiments/configs/mqar.py",
+          f"--workdir={workdir}",
           "--config.data.seq_len=32", "--config.data.num_kv_pairs=4", "--config.data.vocab_size=64",
           "--config.data.num_eval_batches=1", "--config.model.d_model=32", "--config.model.num_layers=1",
           "--config.attention.chunk_size=8",
@@ -259,6 +260,7 @@ def test_killed_run_resumes_to_the_same_metrics(tmp_path):
   subprocess.run(_command(reference), cwd=REPO, env=env, check=True, capture_output=True)
   config = json.load(open(reference / "config.json"))["config"]
   assert config["train"]["steps"] == 40 and config["attention"]["num_features"] == 8  # overrides applied
+  assert config["quick"] is False  # config.json records which version ran
   proc = subprocess.Popen(_command(resumed), cwd=REPO, env=env, stdout=subprocess.DEVNULL,
                           stderr=subprocess.DEVNULL)
   metrics = resumed / "favor_redraw" / "metrics.jsonl"
@@ -293,32 +295,65 @@ def test_backward_compat_swaps_attention_under_the_same_weights(tmp_path):
 
 
 def test_quick_version_yields_to_command_line_overrides(tmp_path):
-  config = tiny(listops_config.get_config())
-  config.quick = True
-  config.variants = (("softmax", {}), ("favor_positive", {"attention.type": "favor"}))
   overrides = {"train.steps": 3, "data.num_train": 16, "data.num_eval": 8, "model.d_model": 16,
                "only": "favor_positive", "train.warmup_steps": 1}
+  config = common.set_fields(listops_config.get_config("quick"), overrides)  # --config=listops.py:quick ...
   records = main.run(config, str(tmp_path), overrides)
   assert [r["name"] for r in records] == ["favor_positive"] and records[0]["steps"] == 3
   saved = json.load(open(tmp_path / "config.json"))["config"]
   assert saved["data"]["max_length"] == 96 and saved["model"]["d_model"] == 16  # quick size + overrides
+  assert saved["quick"] is True
+
+
+def _cli(workdir, config_arg, *flags):
+  cmd = [sys.executable, "-m", "experiments.main", f"--config={config_arg}", f"--workdir={workdir}", *flags]
+  env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+  return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_quick_flag_and_quick_argument_run_the_same_config(tmp_path):
+  small = {"only": "softmax", "train.steps": 2, "train.warmup_steps": 1, "model.d_model": 16,
+           "model.num_layers": 1, "data.seq_len": 32, "data.num_kv_pairs": 4}
+  flags = [f"--config.{field}={value}" for field, value in small.items()]
+  by_arg = _cli(tmp_path / "arg", "experiments/configs/mqar.py:quick", *flags)
+  by_flag = _cli(tmp_path / "flag", "experiments/configs/mqar.py", "--config.quick=True", *flags)
+  assert by_arg.returncode == 0 and by_flag.returncode == 0, by_arg.stderr[-2000:] + by_flag.stderr[-2000:]
+  configs = [json.load(open(tmp_path / d / "config.json"))["config"] for d in ("arg", "flag")]
+  assert configs[0] == configs[1]
+  expected = common.set_fields(mqar_config.get_config("quick"), small).to_dict()
+  assert configs[0] == json.loads(json.dumps(expected))  # the quick sizes, then the command line
+  assert configs[0]["quick"] is True and configs[0]["train"]["batch_size"] == 32  # quick: 32, full: 64
+
+
+def test_quick_that_cannot_take_effect_stops(tmp_path, monkeypatch):
+  monkeypatch.setattr(tasks, "make_task", lambda *a: pytest.fail("built data despite a bad config"))
+  changed = mqar_config.get_config()
+  changed.model.d_model = 16  # changed in code, not on the command line: no full version to rebuild from
+  changed.quick = True
+  with pytest.raises(ValueError, match=r"config.quick=True, but .* none of the values of mqar.py's quick"):
+    main.run(changed, str(tmp_path / "changed"))
+  undo = common.set_fields(mqar_config.get_config("quick"), {"quick": False})
+  with pytest.raises(ValueError, match=r"--config.quick=False would not undo --config=mqar.py:quick"):
+    main.run(undo, str(tmp_path / "undo"), {"quick": False})
+  with pytest.raises(ValueError, match=r"takes 'quick' or nothing after ':'.*got 'fast'"):
+    mqar_config.get_config("fast")
+  assert not os.listdir(tmp_path)  # stopped before anything was written
 
 
 @pytest.mark.parametrize("name", ["mqar", "listops", "shakespeare", "quickstart", "backward_compat", "tiny"])
 def test_every_training_config_and_variant_passes_the_checks(name):
   import importlib
   module = importlib.import_module(f"experiments.configs.{name}")
-  for config in (module.get_config(), module.apply_quick(module.get_config())):
+  for config in (module.get_config(), module.get_config("quick")):
     assert sweep.variant_configs(config)  # each variant checked; raises on a bad field or value
 
 
 def test_quickstart_quick_version_runs_on_the_excerpt(tmp_path):
   from experiments.configs import quickstart
-  config = quickstart.get_config()
-  config.quick = True
   overrides = {"data.text_dir": EXCERPT, "data.valid_plays": ("tempest",), "data.seq_len": 32,
                "model.d_model": 32, "model.num_layers": 1}
+  config = common.set_fields(quickstart.get_config("quick"), overrides)
   records = main.run(config, str(tmp_path), overrides)
   assert [r["name"] for r in records] == ["softmax", "favor_positive"]
-  assert all(np.isfinite(r["eval_bpc"]) and r["eval_bpc"] < 8 for r in records)  # learnt something in 20 steps
+  assert all(np.isfinite(r["eval_bpc"]) and r["eval_bpc"] < 8 for r in records)  # learnt in 20 steps
   assert "eval_bpc ratio FAVOR / softmax" in open(tmp_path / "summary.md").read()

@@ -25,7 +25,7 @@ def _x(length=L, batch=B, seed=0):
   return jax.random.normal(jax.random.PRNGKey(seed), (batch, length, F))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _base_variables():
   """Linen variables with random (non-zero) biases, so that the reference checks them too."""
   variables = jax.jit(flin.FavorAttention(num_heads=H, num_features=M).init)(jax.random.PRNGKey(1), _x())
@@ -81,7 +81,7 @@ def _nnx_layer(params, projection, chunk_size=64, decode=False):
   return layer
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _linen_apply(chunk_size):
   return jax.jit(flin.FavorAttention(num_heads=H, num_features=M, causal=True, chunk_size=chunk_size).apply)
 
@@ -130,7 +130,7 @@ def _linen_decoder(num_features=M):
   return flin.FavorAttention(num_heads=H, num_features=num_features, causal=True, decode=True)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _decoder_variables(batch=B, num_features=M):
   """model.init(...) with decode=True: params, favor and the empty 'cache'."""
   return jax.jit(_linen_decoder(num_features).init)(jax.random.PRNGKey(0), _x(length=1, batch=batch))
