@@ -28,6 +28,7 @@ from experiments.timing import median_of
 from favor_jax import core
 
 CHUNK = 64  # favor_attention's default chunk_size, for the FLOP count
+KERNEL = core.kernels.positive  # the kernel every FAVOR method here runs (favor_attention's default)
 EXACT = ("softmax", "jax_dot_product_attention")
 CAUSAL_ONLY = ("favor_scan", "favor_cumsum")
 CHECK_ROWS = 256  # query rows compared with the float32 exact reference
@@ -63,9 +64,10 @@ def flops(name, causal, b, length, h, d, m, on_gpu=False):
   if name in EXACT:
     full = 4 * b * h * length * length * d
     return full // 2 if causal and on_gpu and name == "jax_dot_product_attention" else full
-  per_token = 2 * 2 * m * d + 2 * 2 * m * (d + 1)  # features of q and k; state update and read-out
+  f = KERNEL.num_features(m, d)
+  per_token = 2 * 2 * m * d + 2 * 2 * f * (d + 1)  # projections of q and k; state update and read-out
   if causal and name == "favor":
-    per_token += 2 * CHUNK * (m + d + 1)  # masked quadratic product inside a chunk
+    per_token += 2 * CHUNK * (f + d + 1)  # masked quadratic product inside a chunk
   return b * h * length * per_token
 
 
