@@ -40,6 +40,8 @@ def check_qk(query, key) -> None:
 
 
 def check_projection(projection, head_dim: int) -> None:
+  if projection is None:
+    raise ValueError(f"this kernel needs a projection [num_features, {head_dim}], got None")
   check_float("projection", projection)
   if projection.ndim != 2 or projection.shape[-1] != head_dim:
     raise ValueError(

@@ -167,6 +167,7 @@ def oprf_rho(query: Float[Array, "... Lq H D"], key: Float[Array, "... Lk H D"],
   pairs is ‖x‖²‾ + ‖y‖²‾ + 2·x̄ᵀȳ, so it costs O(L·d).
   """
   checks.check_qk(query, key)
+  checks.check_lengths(query, key)
   checks.check_key_mask(key_mask, key.shape)
   x, y = _scaled(query), _scaled(key)
   d = x.shape[-1]
@@ -276,7 +277,7 @@ def get_kernel(kernel):
   """A kernel by name (one of ``KERNELS``) or a callable returned unchanged."""
   if callable(kernel):
     return kernel
-  if kernel not in KERNELS:
+  if not isinstance(kernel, str) or kernel not in KERNELS:
     raise ValueError(f"unknown kernel {kernel!r}; choose one of {sorted(KERNELS)} or pass a callable")
   return KERNELS[kernel]
 

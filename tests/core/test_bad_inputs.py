@@ -157,3 +157,13 @@ def test_a_numpy_integer_chunk_size_is_an_int_in_decode_and_sequence_parallel():
   assert split(np.int64(5)) == split(5) != split(6)
   with pytest.raises(ValueError, match="chunk_size must be a positive int, got True"):
     split(True)
+
+
+def test_kernel_projection_and_statistic_misuse_name_the_argument():
+  q = jnp.ones((1, 4, 2, 8))
+  with pytest.raises(ValueError, match="unknown kernel"):
+    core.favor_attention(q, q, q, jnp.ones((4, 8)), kernel=["positive"])
+  with pytest.raises(ValueError, match=r"needs a projection \[num_features, 8\], got None"):
+    core.kernels.positive(q, q, None)
+  with pytest.raises(ValueError, match="query has length 0"):
+    core.oprf_rho(q[:, :0], q)
