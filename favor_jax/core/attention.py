@@ -86,7 +86,7 @@ def linear_attention(
   forming A. Rows with a zero denominator return 0. Features are used as given.
   """
   shared.validate(query_features, key_features, value, key_mask, causal, "query_features", "key_features")
-  checks.check_causal_method(causal_method)
+  checks.check_causal_method(causal_method, causal_lib.CAUSAL_METHODS)
   chunk_size = checks.check_chunk_size(chunk_size)
 
   def feature_fn(qf, kf):
@@ -136,7 +136,7 @@ def favor_attention(
   are 0 and every row is 0; trigonometric ones weight keys by exp(+‖k‖²/(2√d)).
   """
   shared.validate(query, key, value, key_mask, causal)
-  checks.check_causal_method(causal_method)
+  checks.check_causal_method(causal_method, causal_lib.CAUSAL_METHODS)
   chunk_size = checks.check_chunk_size(chunk_size)
   kern, data_dependent = shared.resolve_kernel(kernel, projection, rho, query)
   if data_dependent and rho is None:

@@ -60,12 +60,13 @@ def _chunked_block(feature_fn, chunk, carry, q, k, v, mask):
   row_max = lambda log_kf: jnp.max(lg_q + log_kf, axis=-1)
   s_raw = jnp.maximum(row_max(mu_NHcF[:, :, :, None]), row_max(_running_max(lg_k, axis=3)))
   s_NHcC = shared.finite_or_zero(s_raw)
-  s_chunk = row_max(shared.finite_or_zero(lam_NHcF)[:, :, :, None])  # the scale of the one-product form
+  lam_NHc1F = shared.finite_or_zero(lam_NHcF)[:, :, :, None]  # the one-product form's key scale
+  s_chunk = row_max(lam_NHc1F)
   safe = ~jnp.any(jnp.isfinite(s_raw) & (s_chunk - s_raw > SAFE_GAP))
 
   def one_product(carry):
     lq, mq, lk, mk, v1 = map(split, (log_q, mult_q, log_k, mult_k, shared.with_ones(v_NHlD)))
-    local = shared.exp_times(lk, shared.finite_or_zero(lam_NHcF)[:, :, :, None], mk)
+    local = shared.exp_times(lk, lam_NHc1F, mk)
     local_NHcFE = jnp.einsum("nhcjf,nhcje->nhcfe", local, v1)
     ms = jnp.concatenate([carry.mu[:, :, None], lam_NHcF], axis=2)
     ss = jnp.concatenate([carry.s[:, :, None], local_NHcFE], axis=2)
@@ -73,7 +74,7 @@ def _chunked_block(feature_fn, chunk, carry, q, k, v, mask):
     # Keys before chunk c: S scaled by μ (finite where any such key has a finite feature).
     q_inter = shared.exp_times(lq + mu_NHcF[:, :, :, None], s_NHcC[..., None], mq)
     inter_NHcCE = jnp.einsum("nhctf,nhcfe->nhcte", q_inter, ss[:, :, :nc])
-    q_chunk = shared.exp_times(lq + shared.finite_or_zero(lam_NHcF)[:, :, :, None], s_chunk[..., None], mq)
+    q_chunk = shared.exp_times(lq + lam_NHc1F, s_chunk[..., None], mq)
     gain = jnp.exp(jnp.minimum(s_chunk - s_NHcC, SAFE_GAP))[..., None]  # e^{s_chunk − s_t}
     w_NHcCC = jnp.einsum("nhctf,nhcjf->nhctj", q_chunk, local) * gain
     w_NHcCC = jnp.where(jnp.tril(jnp.ones((chunk, chunk), bool)), w_NHcCC, 0.0)
@@ -189,4 +190,4 @@ def cumsum(feature_fn, q, k, v, mask):
   return y[..., :-1], y[..., -1]
 
 
-CAUSAL_METHODS = {"chunked": chunked, "scan": scan, "cumsum": cumsum}  # names: checks.CAUSAL_METHODS
+CAUSAL_METHODS = {"chunked": chunked, "scan": scan, "cumsum": cumsum}

@@ -98,10 +98,7 @@ def check_chunk_size(chunk_size) -> int:
   return int(chunk_size)
 
 
-CAUSAL_METHODS = ("chunked", "scan", "cumsum")
-
-
-def check_causal_method(causal_method) -> None:
+def check_causal_method(causal_method, choices) -> None:
   """Checked whether or not the call is causal: an argument we cannot honour is never ignored."""
-  if causal_method not in CAUSAL_METHODS:
-    raise ValueError(f"unknown causal_method {causal_method!r}; choose one of {list(CAUSAL_METHODS)}")
+  if causal_method not in choices:
+    raise ValueError(f"unknown causal_method {causal_method!r}; choose one of {list(choices)}")
