@@ -19,6 +19,7 @@ import json
 import math
 import os
 import subprocess
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -28,8 +29,26 @@ from experiments.timing import median_of
 from favor_jax import core
 
 CHUNK = 64  # favor_attention's default chunk_size, for the FLOP count
-KERNEL = core.kernels.positive  # the kernel every FAVOR method here runs (favor_attention's default)
 EXACT = ("softmax", "jax_dot_product_attention")
+
+
+class Estimator(NamedTuple):
+  """A linear-time method of the study: the core function and arguments it runs."""
+  kernel: str
+  causal_method: str = "chunked"
+  qk_dim: int | None = None  # q/k head dim (the first qk_dim of D; values keep D), None: D
+  window: int = 0  # > 0: hybrid_attention with this exact window
+
+
+ESTIMATORS = {
+    "favor": Estimator("positive"),  # FAVOR+, favor_attention's defaults
+    "favor_scan": Estimator("positive", causal_method="scan"),  # the paper's per-token recurrence
+    "favor_cumsum": Estimator("positive", causal_method="cumsum"),  # materialised prefix states
+    "favor_sharp": Estimator("saderf"),  # FAVOR# (dense-exponential features)
+    "taylor": Estimator("taylor"),  # 2nd-order Taylor at D: 1 + D + D(D+1)/2 features
+    "taylor_d16": Estimator("taylor", qk_dim=16),  # Based's shape: q/k head dim 16 (153 features), Dv = D
+    "hybrid_w64": Estimator("positive", window=64),  # exact window of 64 + FAVOR+ beyond it
+}
 CAUSAL_ONLY = ("favor_scan", "favor_cumsum")
 CHECK_ROWS = 256  # query rows compared with the float32 exact reference
 
@@ -54,20 +73,42 @@ def method(name, on_gpu):
       impl = "cudnn" if on_gpu and q.dtype in (jnp.bfloat16, jnp.float16) else None
       return jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation=impl)
     return exact
-  algorithm = {"favor": "chunked", "favor_scan": "scan", "favor_cumsum": "cumsum"}[name]
-  return lambda q, k, v, p, causal: core.favor_attention(q, k, v, p, causal=causal, causal_method=algorithm)
+  return functools.partial(_linear, ESTIMATORS[name])
+
+
+def _linear(e: Estimator, q, k, v, p, causal):
+  kern = core.get_kernel(e.kernel)
+  if e.qk_dim:
+    q, k = q[..., :e.qk_dim], k[..., :e.qk_dim]
+  proj = p if kern.needs_projection else None
+  # Timing only: a causal model passes a statistic it keeps (e.g. a running average), not this one.
+  rho = kern.compute_statistic(q, k) if kern.data_dependent and causal else None
+  if e.window:
+    return core.hybrid_attention(q, k, v, proj, window=e.window, kernel=kern, causal=causal, rho=rho)
+  return core.favor_attention(q, k, v, proj, kernel=kern, causal=causal, causal_method=e.causal_method, rho=rho)
 
 
 def flops(name, causal, b, length, h, d, m, on_gpu=False):
   """Forward FLOPs as computed: XLA's exact attention computes the full L×L product even when causal;
-  cuDNN's skips the blocks above the diagonal."""
+  cuDNN's skips the blocks above the diagonal. Linear methods: features, state updates and read-outs,
+  the masked product inside causal chunks, and a hybrid's exact blocks (bidirectional hybrids run the
+  causal pass both ways)."""
   if name in EXACT:
     full = 4 * b * h * length * length * d
     return full // 2 if causal and on_gpu and name == "jax_dot_product_attention" else full
-  f = KERNEL.num_features(m, d)
-  per_token = 2 * 2 * m * d + 2 * 2 * f * (d + 1)  # projections of q and k; state update and read-out
-  if causal and name == "favor":
-    per_token += 2 * CHUNK * (f + d + 1)  # masked quadratic product inside a chunk
+  e = ESTIMATORS[name]
+  dq = e.qk_dim or d
+  kern = core.get_kernel(e.kernel)
+  f = kern.num_features(m if kern.needs_projection else None, dq)
+  features = 2 * 2 * m * dq if kern.needs_projection else 2 * f  # ωx for q and k; Taylor: the products
+  passes = 2 if e.window and not causal else 1
+  per_pass = 2 * 2 * f * (d + 1)  # state update and read-out
+  if (causal or e.window) and e.causal_method == "chunked":
+    per_pass += 2 * CHUNK * (f + d + 1)  # masked quadratic product inside a chunk
+  per_token = features * passes + per_pass * passes
+  if e.window:
+    context = max(e.window, 32) * (2 if causal else 3)  # hybrid.LOCAL_BLOCK: own and neighbouring blocks
+    per_token += 2 * context * (dq + d)
   return b * h * length * per_token
 
 
@@ -105,7 +146,7 @@ def _rel_error(name, causal, q, k, v, p, out):
     ref = jax.jit(_exact_rows, static_argnums=4)(q, k, v, rows, causal)
   else:
     f32 = lambda x: x.astype(jnp.float32)
-    ref = jax.jit(method("favor", False), static_argnums=4)(f32(q), f32(k), f32(v), p, causal)[:, rows]
+    ref = jax.jit(method(name, False), static_argnums=4)(f32(q), f32(k), f32(v), p, causal)[:, rows]
   diff = out[:, rows].astype(jnp.float32) - ref
   return float(jnp.linalg.norm(diff) / jnp.linalg.norm(ref))
 
@@ -169,6 +210,9 @@ def jobs(config, ceiling, limit):
 def run(config, progress=print, workdir=None):
   if config.memory not in ("process", "compiled"):
     raise ValueError(f"config.memory must be 'process' or 'compiled', got {config.memory!r}")
+  unknown = [m for m in config.methods if m not in EXACT and m not in ESTIMATORS]
+  if unknown:
+    raise ValueError(f"config.methods has unknown {unknown}; choose from {list(EXACT) + list(ESTIMATORS)}")
   on_gpu = jax.default_backend() == "gpu"
   ceiling = matmul_ceiling(jnp.dtype(config.dtype), on_gpu)
   limit = memory_limit_bytes(config.memory_limit_gb)
@@ -230,6 +274,12 @@ def summarize(records, config) -> str:
       fav = t.get(("favor", True, r["seq_len"], r["pass"]))
       if fav and fav["status"] == "ok":
         lines.append(f"- L={key[2]} {key[3]}: scan / chunked causal = {r['median_s'] / fav['median_s']:.1f}×")
+    if r["method"] in ESTIMATORS and ESTIMATORS[r["method"]].causal_method == "chunked" and r["method"] != "favor":
+      fav = t.get(("favor",) + key[1:])
+      if fav and fav["status"] == "ok":
+        lines.append(f"- L={key[2]} {'causal' if key[1] else 'bidirectional'} {key[3]}: {r['method']} / FAVOR+ = "
+                     f"{r['median_s'] / fav['median_s']:.1f}× time, "
+                     f"{r['peak_bytes'] / fav['peak_bytes']:.1f}× memory")
   for exact in EXACT:
     cross = [length for length in sorted({r["seq_len"] for r in ok})
              if all(t.get((meth, False, length, "fwd"), {}).get("status") == "ok" for meth in ("favor", exact))

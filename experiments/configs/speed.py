@@ -26,8 +26,11 @@ def get_config(arg=None):
   config.dtype = "float32"  # input dtype; "bfloat16" on accelerators
   config.seq_lens = (256, 1024, 4096, 16384, 65536, 131072)  # L sweep
   # softmax: ours; jax_dot_product_attention: XLA on CPU, cuDNN on GPU; favor: chunked causal /
-  # bidirectional; favor_scan: the paper's per-token recurrence; favor_cumsum: materialised prefix states.
-  config.methods = ("softmax", "jax_dot_product_attention", "favor", "favor_scan", "favor_cumsum")
+  # bidirectional; favor_scan: the paper's per-token recurrence; favor_cumsum: materialised prefix states;
+  # favor_sharp: FAVOR#; taylor: 2nd-order Taylor at D; taylor_d16: Taylor on q/k head dim 16 (values D);
+  # hybrid_w64: exact window of 64 + FAVOR+ (experiments/speed.py: ESTIMATORS).
+  config.methods = ("softmax", "jax_dot_product_attention", "favor", "favor_scan", "favor_cumsum", "favor_sharp",
+                    "taylor", "taylor_d16", "hybrid_w64")
   config.causal = (False, True)  # attention modes to time
   config.passes = ("fwd", "fwd_bwd")  # forward only, and forward + backward
   config.repeats = 5  # timed runs per configuration (median reported)
@@ -40,7 +43,7 @@ def get_config(arg=None):
     config.seq_lens = (256, 1024)
     config.heads = 2
     config.num_features = 64
-    config.methods = tuple(m for m in config.methods if m != "favor_cumsum")
+    config.methods = tuple(m for m in config.methods if m not in ("favor_cumsum", "taylor"))
     config.repeats = 2
     config.memory = "compiled"  # a process per configuration costs a JAX start-up each (~3 s)
   return config

@@ -2,7 +2,8 @@
 
 Modules: ``projections`` (ω and their registry), ``kernels`` (feature maps, one
 record each), ``attention`` (the public attention functions), ``bidirectional``
-and ``causal`` (the algorithms), ``shared`` (what those share), ``checks``.
+and ``causal`` (the algorithms), ``hybrid`` (local exact + global kernel), ``weights``
+(explicit weights), ``shared`` (what those share), ``checks``.
 
 Shape letters, used in names inside the math (``phi_q_NHlF``) and in the
 jaxtyping annotations of public signatures:
@@ -11,13 +12,17 @@ jaxtyping annotations of public signatures:
   L  sequence length (Lq queries, Lk keys)        l  length of one block or step
   H  heads                                        D  head dim of query and key
   Dv head dim of value                            E  Dv + 1 (value and a column of ones: the denominator)
-  M  projection rows (ω)                          F  features per head (M, 2M or D: ``Kernel.num_features``)
+  M  projection rows (ω)                          F  features per head (``Kernel.num_features``)
   Fm width of the log part of features (F or 1)   C  chunk size; c chunks in a block
   P  devices along a mesh axis
 
-Kernels: FAVOR+ positive and hyperbolic features (Choromanski et al. 2021),
-trigonometric (random Fourier) features, OPRF — optimal positive random
-features, FAVOR++ (Likhosherstov et al. 2022) —, ReLU features and elu+1.
+Kernels (``kernels.KERNELS``, one record each): FAVOR+ positive and hyperbolic
+features (Choromanski et al. 2021), trigonometric (random Fourier) features,
+OPRF — optimal positive random features, FAVOR++ (Likhosherstov et al. 2022) —,
+FAVOR#'s dense-exponential features (``saderf``, Likhosherstov et al. 2023),
+second-order Taylor features (Based, Arora et al. 2024), Hedgehog's learned
+map (Zhang et al. 2024), ReLU features and elu+1. ``hybrid_attention`` adds an
+exact local window to any of them (Scatterbrain, Chen et al. 2021).
 """
 
 from favor_jax.core import kernels
@@ -25,9 +30,11 @@ from favor_jax.core.attention import (
     favor_attention,
     favor_decode_init,
     favor_decode_step,
+    hybrid_attention,
     linear_attention,
     softmax_attention,
 )
+from favor_jax.core.hybrid import HybridState
 from favor_jax.core.kernels import KERNELS, get_kernel, oprf_rho
 from favor_jax.core.projections import (
     PROJECTIONS,
@@ -38,8 +45,12 @@ from favor_jax.core.projections import (
     simplex_projection,
 )
 from favor_jax.core.shared import RecurrentState
+from favor_jax.core.weights import attention_weights
 
 __all__ = [
+    "attention_weights",
+    "HybridState",
+    "hybrid_attention",
     "PROJECTIONS",
     "draw_projection",
     "draw_projection_by_index",

@@ -15,10 +15,12 @@ from jaxtyping import Array, Bool, Float
 from favor_jax.core import bidirectional as bidirectional_lib
 from favor_jax.core import causal as causal_lib
 from favor_jax.core import checks, shared
+from favor_jax.core import hybrid as hybrid_lib
 from favor_jax.core import kernels as kernels_lib
 
 __all__ = [
-    "softmax_attention", "linear_attention", "favor_attention", "favor_decode_init", "favor_decode_step",
+    "softmax_attention", "linear_attention", "favor_attention", "hybrid_attention", "favor_decode_init",
+    "favor_decode_step",
 ]
 
 
@@ -124,7 +126,9 @@ def favor_attention(
   ``causal_method``: ``"chunked"`` (default; exact causal chunks of
   ``chunk_size`` with carried state), ``"scan"`` (the paper's per-token
   recurrence) or ``"cumsum"`` (materialised prefix states). ``rho`` is the
-  FAVOR++ statistic, required for ``optimal_positive`` when ``causal``.
+  statistic of a data-dependent kernel, required when ``causal``: FAVOR++'s ρ
+  [..., H] (``optimal_positive``) or FAVOR#'s [..., H, D+1] (``saderf``: log Ψ
+  per coordinate, then ρ; see ``kernels.saderf_statistic``).
 
   Degenerate and non-finite inputs: a query that sees no unmasked key gives 0.
   A non-finite query gives NaN in its own row; a non-finite unmasked key or
@@ -138,90 +142,161 @@ def favor_attention(
   shared.validate(query, key, value, key_mask, causal)
   checks.check_causal_method(causal_method, causal_lib.CAUSAL_METHODS)
   chunk_size = checks.check_chunk_size(chunk_size)
+  feature_fn = _feature_fn(kernel, projection, rho, query, key, key_mask, causal)
+  return _run(feature_fn, query, key, value, key_mask, causal, causal_method, chunk_size)
+
+
+def _feature_fn(kernel, projection, rho, query, key, key_mask, causal, blocked=False):
+  """The kernel's feature_fn, with its statistic from the whole sequence unless causal (then given).
+
+  ``blocked``: the features are taken block by block even when not causal, so a
+  user callable must not stabilise its keys over the call's positions.
+  """
   kern, data_dependent = shared.resolve_kernel(kernel, projection, rho, query)
   if data_dependent and rho is None:
     if causal:
       raise kernels_lib.causal_statistic_error(kern, query)
     rho = kern.compute_statistic(query, key, key_mask)
-  feature_fn = shared.feature_fn_for(kern, projection, shared.flat_rho(rho, query), causal)
-  return _run(feature_fn, query, key, value, key_mask, causal, causal_method, chunk_size)
+  rho_NH = shared.flat_rho(rho, query, kern)
+  return shared.feature_fn_for(kern, projection, rho_NH, causal or blocked)
+
+
+def hybrid_attention(
+    query: Float[Array, "... Lq H D"],
+    key: Float[Array, "... Lk H D"],
+    value: Float[Array, "... Lk H Dv"],
+    projection: Float[Array, "M D"] | Float[Array, "H M D"] | None,
+    *,
+    window: int,
+    kernel="positive",
+    causal: bool = False,
+    key_mask: Bool[Array, "... Lk"] | None = None,
+    rho: Float[Array, "... H"] | None = None,
+    chunk_size: int = 64,
+) -> Float[Array, "... Lq H Dv"]:
+  """Exact softmax weights near each query, the kernel's estimate for all other keys, one normaliser
+  (Scatterbrain: Chen et al. 2021; Based's local + global split, Arora et al. 2024):
+
+      out_t = Σ_j w_tj v_j / Σ_j w_tj,   w_tj = exp(q_t·k_j/√d) if j is in t's window, else φ(q_t)ᵀφ(k_j),
+
+  the window being t − window < j ≤ t (``causal``) or |t − j| < window. With an
+  unbiased softmax kernel each w_tj is an unbiased estimate of exp(q_t·k_j/√d).
+  ``window=0`` is :func:`favor_attention`; a window covering the sequence is
+  :func:`softmax_attention`. O(L·(window + F)·(D + Dv)) time, no [L, L] array;
+  the causal stabiliser never looks ahead. Needs Lq = Lk (positions are shared).
+  Masks, non-finite inputs and ``rho`` behave as in :func:`favor_attention`.
+  """
+  shared.validate(query, key, value, key_mask, causal)
+  checks.check_causal_lengths(query, key)
+  window = checks.check_window(window)
+  chunk_size = checks.check_chunk_size(chunk_size)
+  if window == 0:
+    return favor_attention(query, key, value, projection, kernel=kernel, causal=causal, key_mask=key_mask,
+                           rho=rho, chunk_size=chunk_size)
+  feature_fn = _feature_fn(kernel, projection, rho, query, key, key_mask, causal, blocked=True)
+  batch = query.shape[:-3]
+  mask = shared.mask_NL(key_mask, key)
+  q, k, v, bad, _ = shared.split_nonfinite(*(shared.flatten(x, batch) for x in (query, key, value)), mask,
+                                              causal=causal)
+  q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
+  num, den = hybrid_lib.hybrid(feature_fn, q, k, v, mask, window, causal, chunk_size)
+  out = shared.poison(shared.divide(num, den), bad)
+  return out.reshape(batch + out.shape[1:]).astype(shared.out_dtype(query, key, value))
 
 
 def favor_decode_init(
     query: Float[Array, "... 1 H D"],
     value: Float[Array, "... 1 H Dv"],
-    projection: Float[Array, "M D"] | None,
+    projection: Float[Array, "M D"] | Float[Array, "H M D"] | None,
     *,
     kernel="positive",
-) -> shared.RecurrentState:
-  """The empty recurrent state for :func:`favor_decode_step`, sized from one step's inputs.
+    window: int = 0,
+) -> shared.RecurrentState | hybrid_lib.HybridState:
+  """The empty state for :func:`favor_decode_step`, sized from one step's inputs.
 
-  State: S = Σ_j e^{log φ(k_j) − μ}[v_j, 1]ᵀ per head ([N, H, F, Dv+1], N the
-  flattened batch) and μ, the running per-feature maximum of log φ(k_j).
+  ``window=0``: a :class:`RecurrentState`, S = Σ_j e^{log φ(k_j) − μ}[v_j, 1]ᵀ per
+  head ([N, H, F, Dv+1], N the flattened batch) and μ, the running per-feature
+  maximum of log φ(k_j). ``window > 0`` (:func:`hybrid_attention`): a
+  :class:`HybridState`, the last ``window`` keys and values ([N, W, H, D + Dv])
+  and the RecurrentState of the keys before them.
   """
   shared.validate(query, query, value, None, True)
+  window = checks.check_window(window)
   kern, data_dependent = shared.resolve_kernel(kernel, projection, None, query)
-  rho = jnp.zeros(query.shape[:-3] + query.shape[-2:-1]) if data_dependent else None
-  feature_fn = shared.feature_fn_for(kern, projection, shared.flat_rho(rho, query), True)
+  rho = jnp.zeros(shared.statistic_shape(kern, query)) if data_dependent else None
+  feature_fn = shared.feature_fn_for(kern, projection, shared.flat_rho(rho, query, kern), True)
   batch = query.shape[:-3]
   q, v = shared.flatten(query, batch), shared.flatten(value, batch)
+  if window:
+    return hybrid_lib.initial_state(feature_fn, q, v, window)
   return shared.initial_state(feature_fn, q, q, v)
 
 
 def _check_state(state, want) -> None:
-  shapes = lambda s: tuple(getattr(x, "shape", None) for x in s)
-  if not isinstance(state, tuple) or len(state) != 2 or shapes(state) != shapes(want):
-    got = shapes(state) if isinstance(state, tuple) and len(state) == 2 else type(state).__name__
+  leaves = lambda s: [getattr(x, "shape", None) for x in jax.tree_util.tree_leaves(s)]
+  if type(state) is not type(want) or leaves(state) != leaves(want):
+    got = f"{type(state).__name__} with shapes {leaves(state)}"
     raise ValueError(
-        f"state (mu, s) has shapes {got}; these inputs need {shapes(want)} ([N, H, Fm] and "
-        "[N, H, F, Dv+1]: flattened batch, heads, features, value size). Decode with the batch, "
-        "heads, projection and value size the state was made for (favor_decode_init).")
+        f"state is a {got}; these inputs need a {type(want).__name__} with shapes {leaves(want)} "
+        "(flattened batch, heads, features, value size; window). Decode with the batch, heads, projection, "
+        "value size and window the state was made for (favor_decode_init).")
 
 
 def favor_decode_step(
-    state: shared.RecurrentState,
+    state: shared.RecurrentState | hybrid_lib.HybridState,
     query: Float[Array, "... l H D"],
     key: Float[Array, "... l H D"],
     value: Float[Array, "... l H Dv"],
-    projection: Float[Array, "M D"] | None,
+    projection: Float[Array, "M D"] | Float[Array, "H M D"] | None,
     *,
     kernel="positive",
     key_mask: Bool[Array, "... l"] | None = None,
     rho: Float[Array, "... H"] | None = None,
     chunk_size: int = 64,
-) -> tuple[shared.RecurrentState, Float[Array, "... l H Dv"]]:
+    window: int = 0,
+) -> tuple[shared.RecurrentState | hybrid_lib.HybridState, Float[Array, "... l H Dv"]]:
   """Continues causal FAVOR attention from ``state`` by l ≥ 1 tokens; O(M·Dv) state per head:
 
       S ← S + φ(k_t)[v_t, 1]ᵀ,   out_t = φ(q_t)ᵀS[:, :Dv] / φ(q_t)ᵀS[:, Dv]
 
   (with the running stabiliser). One token costs O(M·(D+Dv)); a longer step
   (a prompt) runs the chunked algorithm. Steps over tokens 0..t give the same
-  outputs as ``favor_attention(..., causal=True)``. A non-finite key or value
-  makes this and every later output NaN (the returned state is NaN).
+  outputs as ``favor_attention(..., causal=True)``; with ``window > 0`` those of
+  ``hybrid_attention(..., window=window, causal=True)`` (O(window·(D+Dv) + F·Dv)
+  state; tokens are taken one at a time). A non-finite key or value makes this
+  and every later output NaN (the returned state is NaN).
   """
   shared.validate(query, key, value, key_mask, True)
   chunk_size = checks.check_chunk_size(chunk_size)
+  window = checks.check_window(window)
   kern, data_dependent = shared.resolve_kernel(kernel, projection, rho, query)
   if data_dependent and rho is None:
     raise kernels_lib.causal_statistic_error(kern, query)
-  feature_fn = shared.feature_fn_for(kern, projection, shared.flat_rho(rho, query), True)
+  feature_fn = shared.feature_fn_for(kern, projection, shared.flat_rho(rho, query, kern), True)
   batch = query.shape[:-3]
   q, k, v = (shared.flatten(x, batch) for x in (query, key, value))
-  _check_state(state, jax.eval_shape(lambda q, k, v: shared.initial_state(feature_fn, q, k, v), q, k, v))
+  empty = (lambda q, k, v: hybrid_lib.initial_state(feature_fn, q, v, window)) if window else (
+      lambda q, k, v: shared.initial_state(feature_fn, q, k, v))
+  _check_state(state, jax.eval_shape(empty, q, k, v))
+  recurrent = state.recurrent if window else state
   mask = shared.mask_NL(key_mask, key)
-  poisoned = ~jnp.all(jnp.isfinite(state.s), axis=(-2, -1)) | jnp.any(jnp.isnan(state.mu), axis=-1)
+  poisoned = ~jnp.all(jnp.isfinite(recurrent.s), axis=(-2, -1)) | jnp.any(jnp.isnan(recurrent.mu), axis=-1)
   q, k, v, bad, poisoned = shared.split_nonfinite(q, k, v, mask, causal=True, prior=poisoned)
-  v = v.astype(jnp.float32)
-  state = shared.RecurrentState(*(jnp.where(jnp.isfinite(x) | jnp.isneginf(x), x, 0.0) for x in state))
-  if q.shape[1] == 1:
+  q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
+  clean = lambda s: shared.RecurrentState(*(jnp.where(jnp.isfinite(x) | jnp.isneginf(x), x, 0.0) for x in s))
+  spoil = lambda s: shared.RecurrentState(*(jnp.where(poisoned.reshape(poisoned.shape + (1,) * (x.ndim - 2)),
+                                                          jnp.nan, x) for x in s))
+  if window:
+    state, num, den = hybrid_lib.step(feature_fn, state._replace(recurrent=clean(recurrent)), q, k, v, mask)
+    state = state._replace(recurrent=spoil(state.recurrent))
+  elif q.shape[1] == 1:
     fq, fk = feature_fn(q, k)
     first = lambda f: kernels_lib.LogFeatures(*(None if x is None else x[:, 0] for x in f))
-    state, num, den = causal_lib.advance(state, first(fq), first(fk), v[:, 0], mask[:, 0])
-    num, den = num[:, None], den[:, None]
+    state, num, den = causal_lib.advance(clean(state), first(fq), first(fk), v[:, 0], mask[:, 0])
+    num, den, state = num[:, None], den[:, None], spoil(state)
   else:
-    num, den, state = causal_lib.chunked(feature_fn, q, k, v, mask, chunk_size=chunk_size, state=state,
+    num, den, state = causal_lib.chunked(feature_fn, q, k, v, mask, chunk_size=chunk_size, state=clean(state),
                                          return_state=True)
-  state = shared.RecurrentState(*(jnp.where(poisoned.reshape(poisoned.shape + (1,) * (x.ndim - 2)),
-                                                jnp.nan, x) for x in state))
+    state = spoil(state)
   out = shared.poison(shared.divide(num, den), bad)
   return state, out.reshape(batch + out.shape[1:]).astype(shared.out_dtype(query, key, value))

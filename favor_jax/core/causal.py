@@ -79,6 +79,7 @@ def _chunked_block(feature_fn, chunk, carry, q, k, v, mask):
     w_NHcCC = jnp.einsum("nhctf,nhcjf->nhctj", q_chunk, local) * gain
     w_NHcCC = jnp.where(jnp.tril(jnp.ones((chunk, chunk), bool)), w_NHcCC, 0.0)
     y = inter_NHcCE + jnp.einsum("nhctj,nhcje->nhcte", w_NHcCC, v1)
+    y = jnp.concatenate([y, s_raw[..., None]], axis=-1)  # the row scale s_t (−∞: no key seen) as a column
     return RecurrentState(ms[:, :, nc], ss[:, :, nc]), y.reshape((n, h, length, -1))
 
   def per_token(carry):
@@ -86,8 +87,8 @@ def _chunked_block(feature_fn, chunk, carry, q, k, v, mask):
 
     def step(state, x):
       lq, mq, lk, mk, v_t = x
-      state, num, den = advance(state, LogFeatures(lq, mq), LogFeatures(lk, mk), v_t)
-      return state, jnp.concatenate([num, den[..., None]], axis=-1)
+      state, num, den, scale = advance(state, LogFeatures(lq, mq), LogFeatures(lk, mk), v_t, with_scale=True)
+      return state, jnp.concatenate([num, den[..., None], scale[..., None]], axis=-1)
 
     state, y = jax.lax.scan(step, carry, tuple(map(t_major, (log_q, mult_q, log_k, mult_k, v_NHlD))))
     return state, jnp.moveaxis(y, 0, 2)
@@ -97,7 +98,7 @@ def _chunked_block(feature_fn, chunk, carry, q, k, v, mask):
 
 
 def chunked(feature_fn, q, k, v, mask, *, chunk_size: int = 64, block_chunks: int = 4, state=None,
-            return_state: bool = False):
+            return_state: bool = False, return_scale: bool = False):
   """Chunked causal linear attention: O(L·C·(F+Dv)) inside chunks, O(L·F·Dv) across them.
 
   Blocks of ``block_chunks`` chunks run under ``lax.scan`` with a
@@ -105,7 +106,8 @@ def chunked(feature_fn, q, k, v, mask, *, chunk_size: int = 64, block_chunks: in
   intermediates dominate), so fwd+bwd keeps the inputs and one [F, Dv+1]
   state per block, not the O(L·F) features and [C, C] weights. ``state`` continues
   from earlier keys (a :class:`RecurrentState`); ``return_state`` also returns
-  the state after the last key.
+  the state after the last key; ``return_scale`` the rows' log-scale s_t [N, L, H]
+  (numerator and denominator are the sums times e^{−s_t}; −∞ where no key was seen).
   """
   n, length = q.shape[:2]
   chunk = min(chunk_size, length)
@@ -124,9 +126,8 @@ def chunked(feature_fn, q, k, v, mask, *, chunk_size: int = 64, block_chunks: in
     carry, y = jax.lax.scan(jax.checkpoint(body), carry, xs)
     y = jnp.moveaxis(y, 0, 1).reshape((n, padded) + y.shape[3:])
   y = y[:, :length]
-  if return_state:
-    return y[..., :-1], y[..., -1], carry
-  return y[..., :-1], y[..., -1]
+  out = (y[..., :-2], y[..., -2]) + ((y[..., -1],) if return_scale else ())
+  return out + (carry,) if return_state else out
 
 
 def exclusive_prefix(state: RecurrentState, axis_name) -> RecurrentState:
@@ -148,11 +149,12 @@ def _one_row(f):
   return LogFeatures(*(None if x is None else x[..., None, :] for x in f))
 
 
-def advance(state: RecurrentState, fq, fk, v, mask=None):
+def advance(state: RecurrentState, fq, fk, v, mask=None, *, with_scale: bool = False):
   """One token: add key t to the state (rescaling it if μ grows), then read query t.
 
   ``fq``/``fk``: LogFeatures of one position, [N, H, F]; ``v``: [N, H, Dv].
-  Returns (new state, numerator [N, H, Dv], denominator [N, H]).
+  Returns (new state, numerator [N, H, Dv], denominator [N, H]) and, ``with_scale``,
+  the row's log-scale [N, H] (see ``shared.read_out``).
   """
   log_k, mult_k = shared.parts(fk, shared.keep_rows(mask))
   new_mu = jnp.maximum(state.mu, jax.lax.stop_gradient(log_k))
@@ -160,8 +162,9 @@ def advance(state: RecurrentState, fq, fk, v, mask=None):
   s = (state.s * jnp.exp(state.mu - safe)[..., None]
        + jnp.einsum("nhf,nhe->nhfe", shared.exp_times(log_k, safe, mult_k), shared.with_ones(v)))
   state = RecurrentState(new_mu, s)
-  y = shared.read_out(_one_row(fq), state)[..., 0, :]
-  return state, y[..., :-1], y[..., -1]
+  y, scale = shared.read_out(_one_row(fq), state, with_scale=True)
+  out = state, y[..., 0, :-1], y[..., 0, -1]
+  return out + (scale[..., 0],) if with_scale else out
 
 
 def scan(feature_fn, q, k, v, mask):

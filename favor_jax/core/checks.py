@@ -39,15 +39,18 @@ def check_qk(query, key) -> None:
     raise ValueError(f"query and key have head_dim 0 (query shape {query.shape}); need head_dim >= 1")
 
 
-def check_projection(projection, head_dim: int) -> None:
+def check_projection(projection, head_dim: int, heads: int | None = None) -> None:
+  """projection ``[M, D]`` (shared by the heads) or ``[H, M, D]`` (one per head), M >= 1."""
+  want = f"[num_features, {head_dim}] or [{'H' if heads is None else heads}, num_features, {head_dim}]"
   if projection is None:
-    raise ValueError(f"this kernel needs a projection [num_features, {head_dim}], got None")
+    raise ValueError(f"this kernel needs a projection {want}, got None")
   check_float("projection", projection)
-  if projection.ndim != 2 or projection.shape[-1] != head_dim:
-    raise ValueError(
-        f"projection must have shape [num_features, {head_dim}] (head_dim of query), "
-        f"got {projection.shape}")
-  if projection.shape[0] <= 0:
+  if projection.ndim not in (2, 3) or projection.shape[-1] != head_dim:
+    raise ValueError(f"projection must have shape {want} (head_dim of query), got {projection.shape}")
+  if projection.ndim == 3 and heads is not None and projection.shape[0] != heads:
+    raise ValueError(f"a per-head projection needs one matrix per head: shape {want}, got {projection.shape} "
+                     f"for {heads} heads")
+  if projection.shape[-2] <= 0:
     raise ValueError(f"projection needs num_features > 0, got shape {projection.shape}")
 
 
@@ -102,3 +105,10 @@ def check_causal_method(causal_method, choices) -> None:
   """Checked whether or not the call is causal: an argument we cannot honour is never ignored."""
   if causal_method not in choices:
     raise ValueError(f"unknown causal_method {causal_method!r}; choose one of {list(choices)}")
+
+
+def check_window(window) -> int:
+  """window as a Python int >= 0 (0: no exact window), never a bool."""
+  if isinstance(window, bool) or not isinstance(window, numbers.Integral) or window < 0:
+    raise ValueError(f"window must be an int >= 0 (positions of exact attention; 0: none), got {window!r}")
+  return int(window)

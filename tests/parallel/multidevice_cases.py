@@ -54,6 +54,20 @@ def test_sequence_parallel_equals_single_device(kernel, causal, masked, jit):
     np.testing.assert_allclose(a, b, atol=1e-5 * float(jnp.abs(b).max()), rtol=1e-5)
 
 
+def test_sequence_parallel_with_the_new_estimators_per_head_and_dv_not_d():
+  """Per-head projections [H, M, D], Taylor (no projection) and Hedgehog, Dv ≠ D, over 8 devices."""
+  q, k, _, _, mask = _inputs(length=100)
+  v = jax.random.normal(jax.random.PRNGKey(3), q.shape[:-1] + (5,))
+  w = jnp.stack([core.orthogonal_projection(jax.random.PRNGKey(h), 32, 16) for h in range(2)])
+  mesh = jax.make_mesh((8,), ("seq",), axis_types=(AxisType.Auto,))
+  for kernel, causal in (("positive", True), ("hedgehog", False), ("taylor", True)):
+    p = None if kernel == "taylor" else w
+    split = jax.jit(lambda q, k, v: parallel.sequence_parallel_attention(
+        q, k, v, p, mesh=mesh, axis_name="seq", kernel=kernel, causal=causal, key_mask=mask, chunk_size=8))
+    single = core.favor_attention(q, k, v, p, kernel=kernel, causal=causal, key_mask=mask, chunk_size=8)
+    np.testing.assert_allclose(split(q, k, v), single, atol=1e-5, rtol=1e-5, err_msg=kernel)
+
+
 def test_sequence_parallel_on_an_explicit_mesh_with_batch_sharding():
   q, k, v, w, _ = _inputs(length=64, batch=4)
   mesh = jax.make_mesh((2, 4), ("data", "seq"), axis_types=(AxisType.Explicit,) * 2)

@@ -1,0 +1,153 @@
+"""Exact attention inside a local window, a kernel's estimate outside it, one normaliser (internal).
+
+The Scatterbrain decomposition (Chen et al. 2021, "Scatterbrain: Unifying Sparse
+and Low-rank Attention"): the weight of key j for query t is the exact
+exp(q_t·k_j/√d) if j is within ``window`` positions of t, else φ(q_t)ᵀφ(k_j).
+With an unbiased kernel every unnormalised weight stays unbiased, and the
+largest weights (the nearby, typically aligned keys) carry no estimation error.
+
+Both parts are linear in L. Inside the window: blocks of C ≥ window queries
+against their own and neighbouring key blocks, O(L·C·(D + Dv)). Outside: the
+chunked causal pass over the keys delayed by ``window`` positions (keys
+j ≤ t − w for row t); bidirectional adds the same on the reversed sequence
+(j ≥ t + w). Each part reports its per-row log-scale and the parts are summed
+on their common maximum, so no part's terms underflow because another's are
+larger. Shape letters: see :mod:`favor_jax.core`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array
+
+from favor_jax.core import causal as causal_lib
+from favor_jax.core import shared
+
+LOCAL_BLOCK = 32  # the smallest query block of the exact part (larger windows use blocks of `window`)
+
+
+class HybridState(NamedTuple):
+  """Decode state of hybrid attention: the last ``window`` keys exactly, the older ones as features."""
+  keys: Array  # [N, W, H, D] ring buffer: slot (t mod W) holds token t
+  values: Array  # [N, W, H, Dv]
+  valid: Array  # bool [N, W]: the slot holds an unmasked key
+  position: Array  # int32 []: tokens seen so far
+  recurrent: shared.RecurrentState  # the keys that left the window
+
+
+def merge(*terms):
+  """Sums (num [..., Dv], den [...], log-scale [...]) terms, each the sum times e^{−scale}, on their
+  common largest scale; returns (num, den) on that scale. A −∞ scale is an empty term."""
+  top = shared.finite_or_zero(jax.lax.stop_gradient(jnp.max(jnp.stack([s for _, _, s in terms]), axis=0)))
+  weights = [jnp.exp(jax.lax.stop_gradient(s) - top) for _, _, s in terms]  # 0 for an empty term
+  num = sum(n * w[..., None] for (n, _, _), w in zip(terms, weights))
+  den = sum(d * w for (_, d, _), w in zip(terms, weights))
+  return num, den
+
+
+def _exact(logits, allowed, v, spec):
+  """Softmax terms of logits where allowed: (num, den, log-scale) with the row's max as scale."""
+  logits = jnp.where(allowed, logits, -jnp.inf)
+  peak = jax.lax.stop_gradient(jnp.max(logits, axis=-1))
+  weights = jnp.exp(logits - shared.finite_or_zero(peak)[..., None])
+  return jnp.einsum(spec, weights, v), jnp.sum(weights, axis=-1), peak
+
+
+def local(q, k, v, mask, window: int, causal: bool):
+  """The exact part: keys with t − w < j ≤ t (causal) or |t − j| < w, unmasked.
+
+  q, k [N, L, H, D] (float32), v [N, L, H, Dv], mask [N, L]. Returns num [N, L, H, Dv],
+  den and log-scale [N, L, H].
+  """
+  n, length, h, d = q.shape
+  c = min(max(window, LOCAL_BLOCK), length)
+  nb = -(-length // c)
+  blocks = lambda x, fill=0: shared.pad_to(x, nb * c, fill).reshape((n, nb, c) + x.shape[2:])
+  q_NbCHD, k_NbCHD, v_NbCHE, m_NbC = blocks(q), blocks(k), blocks(v), blocks(mask, False)
+
+  def context(x, fill):  # the key blocks a query block may reach: previous, own (and next)
+    edge = jnp.full_like(x[:, :1], fill)
+    around = [jnp.concatenate([edge, x[:, :-1]], axis=1), x]
+    if not causal:
+      around.append(jnp.concatenate([x[:, 1:], edge], axis=1))
+    return jnp.concatenate(around, axis=2)
+
+  k_ctx, v_ctx, m_ctx = context(k_NbCHD, 0), context(v_NbCHE, 0), context(m_NbC, False)
+  t = jnp.arange(c)[:, None]
+  j = jnp.arange(m_ctx.shape[2])[None, :] - c  # key offset from the query block's start
+  gap = t - j
+  band = ((gap >= 0) & (gap < window)) if causal else (jnp.abs(gap) < window)
+  allowed = (band & m_ctx[:, :, None, :])[:, :, None]  # [N, nb, 1, C, ctx]
+  logits = jnp.einsum("nbihd,nbjhd->nbhij", q_NbCHD, k_ctx) / math.sqrt(d)
+  num, den, scale = _exact(logits, allowed, v_ctx, "nbhij,nbjhe->nbihe")
+  to_rows = lambda x: x.reshape((n, nb * c) + x.shape[3:])[:, :length]
+  swap = lambda x: to_rows(jnp.swapaxes(x, 2, 3))  # [N, nb, H, C] -> [N, L, H]
+  return to_rows(num), swap(den), swap(scale)
+
+
+def _delayed(x, window, fill=0):
+  """x [N, L, ...] delayed by ``window`` positions along L (the first ``window`` filled)."""
+  length = x.shape[1]
+  head = jnp.full((x.shape[0], min(window, length)) + x.shape[2:], fill, x.dtype)
+  return jnp.concatenate([head, x[:, :max(length - window, 0)]], axis=1)
+
+
+def distant(feature_fn, q, k, v, mask, window: int, causal: bool, chunk_size: int):
+  """The kernel part: keys with j ≤ t − w (and j ≥ t + w unless causal); (num, den, log-scale)."""
+  def before(q, k, v, mask):
+    delay = lambda x, fill=0: _delayed(x, window, fill)
+    return causal_lib.chunked(feature_fn, q, delay(k), delay(v), delay(mask, False), chunk_size=chunk_size,
+                              return_scale=True)
+
+  terms = [before(q, k, v, mask)]
+  if not causal:
+    rev = lambda x: jnp.flip(x, axis=1)
+    terms.append(tuple(map(rev, before(rev(q), rev(k), rev(v), rev(mask)))))
+  return merge(*terms) + (jnp.max(jnp.stack([s for _, _, s in terms]), axis=0),)
+
+
+def hybrid(feature_fn, q, k, v, mask, window: int, causal: bool, chunk_size: int):
+  """(num, den) of hybrid attention on one common per-row scale (inputs as in ``local``)."""
+  return merge(local(q, k, v, mask, window, causal), distant(feature_fn, q, k, v, mask, window, causal,
+                                                               chunk_size))
+
+
+def initial_state(feature_fn, q, v, window: int) -> HybridState:
+  n, _, h, d = q.shape
+  return HybridState(jnp.zeros((n, window, h, d), jnp.float32),
+                     jnp.zeros((n, window, h, v.shape[-1]), jnp.float32),
+                     jnp.zeros((n, window), bool), jnp.zeros((), jnp.int32),
+                     shared.initial_state(feature_fn, q, q, v))
+
+
+def step(feature_fn, state: HybridState, q, k, v, mask):
+  """Tokens one at a time: the key leaving the window joins the features, the new one the buffer.
+
+  q, k [N, l, H, D], v [N, l, H, Dv] (finite), mask [N, l]. Returns (state, num, den) on a common scale.
+  """
+  window = state.keys.shape[1]
+  d = q.shape[-1]
+
+  def one(state, x):
+    q_t, k_t, v_t, m_t = x
+    slot = state.position % window
+    old = lambda a: jax.lax.dynamic_index_in_dim(a, slot, axis=1, keepdims=True)
+    fk_old = shared.head_major(feature_fn, old(state.keys)[:, :0], old(state.keys))[1]
+    recurrent = shared.add_keys(state.recurrent, fk_old, old(state.values), old(state.valid))
+    put = lambda a, x: jax.lax.dynamic_update_index_in_dim(a, x.astype(a.dtype), slot, axis=1)
+    state = HybridState(put(state.keys, k_t), put(state.values, v_t), put(state.valid, m_t),
+                        state.position + 1, recurrent)
+    logits = jnp.einsum("nhd,nwhd->nhw", q_t, state.keys) / math.sqrt(d)
+    exact = _exact(logits, state.valid[:, None, :], state.values, "nhw,nwhe->nhe")
+    fq = shared.head_major(feature_fn, q_t[:, None], k_t[:, None])[0]
+    y, scale = shared.read_out(fq, recurrent, with_scale=True)
+    num, den = merge(exact, (y[..., 0, :-1], y[..., 0, -1], scale[..., 0]))
+    return state, (num, den)
+
+  t_major = lambda x: jnp.moveaxis(x, 1, 0)
+  state, (num, den) = jax.lax.scan(one, state, tuple(map(t_major, (q, k, v, mask))))
+  return state, jnp.moveaxis(num, 0, 1), jnp.moveaxis(den, 0, 1)

@@ -1,0 +1,96 @@
+"""Explicit attention weights: what softmax or a feature map implies for every (query, key) pair.
+
+Quadratic in L (and O(Lq·Lk·F) work for kernels with per-feature logs): for
+analysis, plots and distilling feature maps at small L, never inside a model's
+forward pass at length.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float
+
+from favor_jax.core import attention, checks, shared
+
+__all__ = ["attention_weights"]
+
+QUERY_BLOCK = 32  # query rows per step of the kernel log-weights ([block, Lk, F] at a time)
+
+
+def _kernel_log_weights(fq, fk):
+  """log |φ(q_i)ᵀφ(k_j)| and its sign, [N, H, Lq, Lk], exact for any feature sizes (no underflow)."""
+  log_q, mult_q = shared.parts(fq)  # L-major [N, L, H, Fm], [N, L, H, F] (mult may be None)
+  log_k, mult_k = shared.parts(fk)
+  head_major = lambda x: None if x is None else jnp.moveaxis(x, 1, 2)  # [N, H, L, F]
+  log_q, mult_q, log_k, mult_k = map(head_major, (log_q, mult_q, log_k, mult_k))
+
+  @jax.checkpoint
+  def rows(x):  # one block of query rows: [N, H, b, F] -> [N, H, b, Lk]
+    lq, mq = x
+    terms = lq[..., :, None, :] + log_k[..., None, :, :]
+    signs = None if mq is None else mq[..., :, None, :] * mult_k[..., None, :, :]
+    return jax.nn.logsumexp(terms, axis=-1, b=signs, return_sign=True)
+
+  length = log_q.shape[2]
+  block = min(QUERY_BLOCK, length)
+  padded = -(-length // block) * block
+  pad = lambda x: None if x is None else jnp.pad(x, [(0, 0), (0, 0), (0, padded - length), (0, 0)])
+  split = lambda x: None if x is None else jnp.moveaxis(
+      x.reshape(x.shape[:2] + (padded // block, block, x.shape[-1])), 2, 0)
+  log_w, sign = jax.lax.map(rows, (split(pad(log_q)), split(pad(mult_q))))
+  merge = lambda x: jnp.moveaxis(x, 0, 2).reshape(x.shape[1:3] + (padded, x.shape[-1]))[:, :, :length]
+  return merge(log_w), merge(sign)
+
+
+def attention_weights(
+    query: Float[Array, "... Lq H D"],
+    key: Float[Array, "... Lk H D"],
+    projection: Float[Array, "M D"] | Float[Array, "H M D"] | None = None,
+    *,
+    kernel="softmax",
+    causal: bool = False,
+    key_mask: Bool[Array, "... Lk"] | None = None,
+    window: int = 0,
+    rho: Float[Array, "... H"] | None = None,
+) -> Float[Array, "... H Lq Lk"]:
+  """The normalised weights A [..., H, Lq, Lk] with out = A v, as the attention functions compute them.
+
+  ``kernel="softmax"``: softmax(q kᵀ/√d) (:func:`softmax_attention`). Otherwise
+  the weights φ(q_i)ᵀφ(k_j) / Σ_j φ(q_i)ᵀφ(k_j) of a feature map (a name from
+  ``KERNELS`` or a callable, as in :func:`favor_attention`); with ``window > 0``
+  the keys within the window get the exact exp(q·k/√d) instead
+  (:func:`hybrid_attention`). Rows sum to 1 over the keys they may see (j ≤ t if
+  ``causal``, unmasked); a row that sees none is 0. Computed in log domain, so
+  no weight underflows because another key of its row is far larger.
+  """
+  checks.check_qk(query, key)
+  checks.check_lengths(query, key)
+  checks.check_key_mask(key_mask, key.shape)
+  window = checks.check_window(window)
+  if causal or window:
+    checks.check_causal_lengths(query, key)
+  batch = query.shape[:-3]
+  mask = shared.mask_NL(key_mask, key)
+  q, k = (shared.flatten(x, batch).astype(jnp.float32) for x in (query, key))
+  lq, lk = q.shape[1], k.shape[1]
+  gap = jnp.arange(lq)[:, None] - jnp.arange(lk)[None, :]
+  allowed = mask[:, None, None, :] & ((gap >= 0) if causal else True)  # [N, 1, Lq, Lk]
+  exact = jnp.einsum("nqhd,nkhd->nhqk", q, k) / math.sqrt(query.shape[-1])
+  if isinstance(kernel, str) and kernel == "softmax":
+    if rho is not None or projection is not None:
+      raise ValueError("kernel='softmax' takes no projection and no rho")
+    log_w, sign = exact, jnp.ones_like(exact)
+  else:
+    feature_fn = attention._feature_fn(kernel, projection, rho, query, key, key_mask, causal, blocked=True)
+    log_w, sign = _kernel_log_weights(*feature_fn(q, k))
+    if window:
+      near = (jnp.abs(gap) < window) & ((gap >= 0) if causal else True)
+      log_w, sign = jnp.where(near, exact, log_w), jnp.where(near, 1.0, sign)
+  log_w = jnp.where(allowed, log_w, -jnp.inf)
+  peak = jax.lax.stop_gradient(jnp.max(log_w, axis=-1, keepdims=True))
+  w = sign * jnp.exp(log_w - shared.finite_or_zero(peak))
+  out = shared.divide(w, jnp.sum(w, axis=-1))
+  return out.reshape(batch + out.shape[1:])
