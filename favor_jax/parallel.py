@@ -77,8 +77,9 @@ def sequence_parallel_attention(
                      f"{query.shape} and key {key.shape}")
   kern, data_dependent = shared.resolve_kernel(kernel, projection, rho, query)
   if data_dependent and rho is None:
-    raise ValueError(f"kernel {kernel!r} needs an explicit rho [..., H] under sequence parallelism "
-                     "(e.g. favor_jax.core.oprf_rho(query, key) computed by the caller, or a running ρ)")
+    raise ValueError(f"kernel {kernel!r} needs an explicit rho {shared.statistic_shape(kern, query)} under "
+                     f"sequence parallelism (e.g. kernels.{kern.compute_statistic.__name__}(query, key) "
+                     "computed by the caller, or a running one)")
   chunk_size = checks.check_chunk_size(chunk_size)
 
   batch, length = query.shape[:-3], query.shape[-3]
@@ -87,7 +88,7 @@ def sequence_parallel_attention(
   padded = -(-length // devices) * devices
   q, k, v = (shared.pad_to(x, padded) for x in (q, k, v))
   mask = shared.pad_to(mask, padded, False)
-  rho_NH = shared.flat_rho(rho, query)
+  rho_NH = shared.flat_rho(rho, query, kern)
   # Row-local feature stabilisation only: a max over "all positions" would differ per device.
   feature_fn = shared.feature_fn_for(kern, projection, rho_NH, causal=True)
 

@@ -35,7 +35,7 @@ from favor_jax.core.attention import (
     softmax_attention,
 )
 from favor_jax.core.hybrid import HybridState
-from favor_jax.core.kernels import KERNELS, get_kernel, oprf_rho
+from favor_jax.core.kernels import KERNELS, get_kernel, oprf_rho, saderf_statistic
 from favor_jax.core.projections import (
     PROJECTIONS,
     draw_projection,
@@ -64,6 +64,7 @@ __all__ = [
     "linear_attention",
     "oprf_rho",
     "RecurrentState",
+    "saderf_statistic",
     "orthogonal_projection",
     "simplex_projection",
     "softmax_attention",

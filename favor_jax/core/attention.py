@@ -232,7 +232,10 @@ def favor_decode_init(
   return shared.initial_state(feature_fn, q, q, v)
 
 
-def _check_state(state, want) -> None:
+def _check_state(state, want):
+  """``state`` as the type ``want`` has (a plain (mu, s) tuple is taken as a RecurrentState), or a clear error."""
+  if isinstance(want, shared.RecurrentState) and type(state) is tuple and len(state) == 2:
+    state = shared.RecurrentState(*state)
   leaves = lambda s: [getattr(x, "shape", None) for x in jax.tree_util.tree_leaves(s)]
   if type(state) is not type(want) or leaves(state) != leaves(want):
     got = f"{type(state).__name__} with shapes {leaves(state)}"
@@ -240,6 +243,7 @@ def _check_state(state, want) -> None:
         f"state is a {got}; these inputs need a {type(want).__name__} with shapes {leaves(want)} "
         "(flattened batch, heads, features, value size; window). Decode with the batch, heads, projection, "
         "value size and window the state was made for (favor_decode_init).")
+  return state
 
 
 def favor_decode_step(
@@ -277,7 +281,7 @@ def favor_decode_step(
   q, k, v = (shared.flatten(x, batch) for x in (query, key, value))
   empty = (lambda q, k, v: hybrid_lib.initial_state(feature_fn, q, v, window)) if window else (
       lambda q, k, v: shared.initial_state(feature_fn, q, k, v))
-  _check_state(state, jax.eval_shape(empty, q, k, v))
+  state = _check_state(state, jax.eval_shape(empty, q, k, v))
   recurrent = state.recurrent if window else state
   mask = shared.mask_NL(key_mask, key)
   poisoned = ~jnp.all(jnp.isfinite(recurrent.s), axis=(-2, -1)) | jnp.any(jnp.isnan(recurrent.mu), axis=-1)

@@ -36,7 +36,7 @@ from favor_jax.core import checks
 __all__ = [
     "positive", "hyperbolic", "trigonometric", "optimal_positive", "relu", "elu_plus_one",
     "oprf_rho", "broadcast_rho", "check_rho", "KERNELS", "Kernel", "get_kernel", "num_features",
-    "LogFeatures",
+    "LogFeatures", "taylor", "hedgehog", "saderf", "saderf_statistic",
 ]
 
 
@@ -51,8 +51,16 @@ def _scaled(x):
   return x.astype(jnp.float32) * x.shape[-1] ** -0.25
 
 
-def _project(x_LHD, projection_MD):
-  return jnp.einsum("...lhd,md->...lhm", x_LHD, projection_MD.astype(jnp.float32))
+def _project(x_LHD, projection):
+  """ω x for every row: projection [M, D] shared by the heads, or [H, M, D] one per head."""
+  if projection.ndim == 3:
+    return jnp.einsum("...hd,hmd->...hm", x_LHD, projection.astype(jnp.float32))
+  return jnp.einsum("...d,md->...m", x_LHD, projection.astype(jnp.float32))
+
+
+def _rows(projection) -> int:
+  """M, the projection's rows (per head)."""
+  return projection.shape[-2]
 
 
 def _half_sq_norm(x_LHD):
@@ -79,9 +87,10 @@ class Kernel:
   """
   name: str
   log_features: Callable  # (query, key, projection, **statistic) -> (LogFeatures, LogFeatures)
-  num_features: Callable[[int, int], int]  # F, from M (projection rows) and D (head dim)
+  num_features: Callable[[int | None, int], int]  # F, from M (projection rows; None: no projection), D
   estimates_softmax: bool  # E[φ(q)ᵀφ(k)] = exp(q·k/√d) exactly
   needs_projection: bool = True
+  learned: bool = False  # the projection is a trained parameter (initialised to the identity), not a draw
   # A statistic of the inputs the features depend on: the keyword that passes it (FAVOR++: "rho"), and
   # the function computing it from (query, key, key_mask) over the whole sequence, which causal
   # attention must not do (it would let later keys shape earlier outputs): causal callers pass it.
@@ -100,7 +109,8 @@ class Kernel:
 
 def causal_statistic_error(kernel: Kernel, query) -> ValueError:
   """The error for a data-dependent kernel used causally without its statistic."""
-  need = query.shape[:-3] + query.shape[-2:-1]
+  one = jax.ShapeDtypeStruct(query.shape[:-3] + (1,) + query.shape[-2:], jnp.float32)
+  need = jax.eval_shape(kernel.compute_statistic, one, one).shape
   return ValueError(
       f"{kernel.name} takes its statistic {kernel.statistic} from the whole sequence, which in causal "
       f"attention would let future keys shape past outputs; pass {kernel.statistic}= (shape broadcastable "
@@ -109,30 +119,30 @@ def causal_statistic_error(kernel: Kernel, query) -> ValueError:
 
 def _checked(query, key, projection):
   checks.check_qk(query, key)
-  checks.check_projection(projection, query.shape[-1])
+  checks.check_projection(projection, query.shape[-1], query.shape[-2])
   return _scaled(query), _scaled(key)
 
 
 def _positive(query: Float[Array, "... Lq H D"], key: Float[Array, "... Lk H D"],
-              projection: Float[Array, "M D"]):
+              projection: Float[Array, "M D"] | Float[Array, "H M D"]):
   """FAVOR+ positive features (Choromanski et al. 2021, Lemma 1):
 
       φ(x) = exp(ωᵢᵀx − ‖x‖²/2) / √M,   E[φ(x)ᵀφ(y)] = exp(xᵀy)  for ωᵢ ~ N(0, I).
   """
   x, y = _checked(query, key, projection)
-  log_norm = 0.5 * math.log(projection.shape[0])
+  log_norm = 0.5 * math.log(_rows(projection))
   feats = [LogFeatures(_project(z, projection) - _half_sq_norm(z) - log_norm, None) for z in (x, y)]
   return tuple(feats)
 
 
 def _hyperbolic(query: Float[Array, "... Lq H D"], key: Float[Array, "... Lk H D"],
-                projection: Float[Array, "M D"]):
+                projection: Float[Array, "M D"] | Float[Array, "H M D"]):
   """FAVOR+ hyperbolic features (Choromanski et al. 2021, Lemma 1), 2M features:
 
       φ(x) = exp(−‖x‖²/2) / √(2M) · [exp(ωᵢᵀx), exp(−ωᵢᵀx)],   E[φ(x)ᵀφ(y)] = exp(xᵀy).
   """
   x, y = _checked(query, key, projection)
-  log_norm = 0.5 * math.log(2 * projection.shape[0])
+  log_norm = 0.5 * math.log(2 * _rows(projection))
 
   def feats(z):
     wz = _project(z, projection)
@@ -142,7 +152,7 @@ def _hyperbolic(query: Float[Array, "... Lq H D"], key: Float[Array, "... Lk H D
 
 
 def _trigonometric(query: Float[Array, "... Lq H D"], key: Float[Array, "... Lk H D"],
-                   projection: Float[Array, "M D"]):
+                   projection: Float[Array, "M D"] | Float[Array, "H M D"]):
   """Random Fourier features for the softmax kernel (Rahimi & Recht 2007; Performer §2.3), 2M features:
 
       φ(x) = exp(‖x‖²/2) / √M · [sin(ωᵢᵀx), cos(ωᵢᵀx)],   E[φ(x)ᵀφ(y)] = exp(xᵀy).
@@ -150,13 +160,21 @@ def _trigonometric(query: Float[Array, "... Lq H D"], key: Float[Array, "... Lk 
   Not positive: the attention denominator can be near 0 or negative.
   """
   x, y = _checked(query, key, projection)
-  log_norm = 0.5 * math.log(projection.shape[0])
+  log_norm = 0.5 * math.log(_rows(projection))
 
   def feats(z):
     wz = _project(z, projection)
     return LogFeatures(_half_sq_norm(z) - log_norm, jnp.concatenate([jnp.sin(wz), jnp.cos(wz)], -1))
 
   return feats(x), feats(y)
+
+
+def _key_weights(y, key_mask):
+  """Per key, 1/(unmasked keys) or 0 if masked: [..., Lk]; a mean over keys is a contraction with it."""
+  w = jnp.ones(y.shape[:-2], jnp.float32)
+  if key_mask is not None:
+    w = jnp.broadcast_to(key_mask, y.shape[:-2]).astype(jnp.float32)
+  return w / jnp.maximum(jnp.sum(w, axis=-1, keepdims=True), 1.0)
 
 
 def oprf_rho(query: Float[Array, "... Lq H D"], key: Float[Array, "... Lk H D"],
@@ -173,11 +191,7 @@ def oprf_rho(query: Float[Array, "... Lq H D"], key: Float[Array, "... Lk H D"],
   d = x.shape[-1]
   x_sq = jnp.mean(jnp.sum(x * x, -1), axis=-2)  # [..., H]
   x_bar = jnp.mean(x, axis=-3)  # [..., H, D]
-  if key_mask is None:
-    w = jnp.ones(y.shape[:-2], jnp.float32)
-  else:
-    w = jnp.broadcast_to(key_mask, y.shape[:-2]).astype(jnp.float32)
-  w = w / jnp.maximum(jnp.sum(w, axis=-1, keepdims=True), 1.0)
+  w = _key_weights(y, key_mask)
   y_sq = jnp.einsum("...l,...lh->...h", w, jnp.sum(y * y, -1))
   y_bar = jnp.einsum("...l,...lhd->...hd", w, y)
   return jnp.maximum(x_sq + y_sq + 2 * jnp.sum(x_bar * y_bar, -1), 0.0) / d  # ≥ 0 but for rounding
@@ -205,7 +219,7 @@ def check_rho(rho, query) -> Float[Array, "... H"]:
 
 
 def _optimal_positive(query: Float[Array, "... Lq H D"], key: Float[Array, "... Lk H D"],
-                      projection: Float[Array, "M D"], *, rho=None, key_mask=None,
+                      projection: Float[Array, "M D"] | Float[Array, "H M D"], *, rho=None, key_mask=None,
                       causal: bool = False):
   """FAVOR++ / optimal positive random features (Likhosherstov et al. 2022, "Chefs' Random Tables"):
 
@@ -232,7 +246,7 @@ def _optimal_positive(query: Float[Array, "... Lq H D"], key: Float[Array, "... 
   a_1H1 = a[..., None, :, None]
   b_1H1 = jnp.sqrt(1.0 - 4.0 * a_1H1)
   w_sq_M = jnp.sum(jnp.square(projection.astype(jnp.float32)), -1)
-  const = 0.25 * d * jnp.log1p(-4.0 * a_1H1) + a_1H1 * w_sq_M - 0.5 * math.log(projection.shape[0])
+  const = 0.25 * d * jnp.log1p(-4.0 * a_1H1) + a_1H1 * w_sq_M - 0.5 * math.log(_rows(projection))
 
   def feats(z):
     return LogFeatures(b_1H1 * _project(z, projection) - _half_sq_norm(z) + const, None)
@@ -241,24 +255,82 @@ def _optimal_positive(query: Float[Array, "... Lq H D"], key: Float[Array, "... 
 
 
 def _relu(query: Float[Array, "... Lq H D"], key: Float[Array, "... Lk H D"],
-          projection: Float[Array, "M D"]):
+          projection: Float[Array, "M D"] | Float[Array, "H M D"]):
   """Generalized-kernel ReLU features (Performer §2.2; not a softmax estimator):
 
       φ(x) = max(ωᵢᵀx, 0) / √M  with x = q·d^{-1/4}.
   """
   x, y = _checked(query, key, projection)
-  scale = projection.shape[0] ** -0.5
+  scale = _rows(projection) ** -0.5
   return tuple(LogFeatures(None, jax.nn.relu(_project(z, projection)) * scale) for z in (x, y))
 
 
 def _elu_plus_one(query: Float[Array, "... Lq H D"], key: Float[Array, "... Lk H D"],
-                  projection: Float[Array, "M D"] | None = None):
+                  projection: Float[Array, "M D"] | Float[Array, "H M D"] | None = None):
   """Deterministic linear-attention baseline (Katharopoulos et al. 2020), F = D:
 
       φ(x) = elu(x) + 1  on the raw inputs. The projection is not used (may be None).
   """
   checks.check_qk(query, key)
   return tuple(LogFeatures(None, jax.nn.elu(z.astype(jnp.float32)) + 1.0) for z in (query, key))
+
+
+def _taylor(query: Float[Array, "... Lq H D"], key: Float[Array, "... Lk H D"],
+            projection: Float[Array, "M D"] | Float[Array, "H M D"] | None = None):
+  """Second-order Taylor features of exp(xᵀy) (Based: Arora et al. 2024, "Simple linear attention
+  language models balance the recall-throughput tradeoff"; Zhang et al. 2024), x = q·d^{-1/4}:
+
+      φ(x) = [1, x, x_i²/√2 (i), x_i x_j (i < j)],   φ(x)ᵀφ(y) = 1 + xᵀy + (xᵀy)²/2  exactly,
+
+  1 + D + D(D+1)/2 features (the symmetric half of x⊗x). With a ``projection`` P
+  ([M, D] or [H, M, D]) x is first mapped to P x and the identity holds for the
+  mapped vectors (1 + M + M(M+1)/2 features). Not an unbiased softmax estimator
+  (a truncation), but 1 + t + t²/2 = ((1 + t)² + 1)/2 ≥ 1/2 for every t, so every
+  weight and denominator is positive: no sign cancellation as with trigonometric
+  features.
+  """
+  checks.check_qk(query, key)
+  if projection is not None:
+    checks.check_projection(projection, query.shape[-1], query.shape[-2])
+
+  def feats(z):
+    z = _scaled(z)
+    if projection is not None:
+      z = _project(z, projection)
+    i, j = np.triu_indices(z.shape[-1])
+    weight = np.where(i == j, math.sqrt(0.5), 1.0).astype(np.float32)
+    ones = jnp.ones(z.shape[:-1] + (1,), jnp.float32)
+    return LogFeatures(None, jnp.concatenate([ones, z, z[..., i] * z[..., j] * weight], axis=-1))
+
+  return feats(query), feats(key)
+
+
+def _taylor_features(m, d):
+  width = d if m is None else m
+  return 1 + width + width * (width + 1) // 2
+
+
+def _hedgehog(query: Float[Array, "... Lq H D"], key: Float[Array, "... Lk H D"],
+              projection: Float[Array, "M D"] | Float[Array, "H M D"]):
+  """Hedgehog's learned feature map (Zhang et al. 2024, "The Hedgehog & the Porcupine"), 2M features:
+
+      φ(x) = [softmax(W x), softmax(−W x)]   (each half normalised over its M features),
+
+  with W the trained ``projection`` (per head [H, M, D] in the layers, initialised
+  to the identity) applied to the raw q and k. It makes no unbiasedness claim: W
+  is fitted (``layers.distillation_loss``) so that the normalised weights mimic
+  softmax's. Positive, so denominators are positive.
+  """
+  checks.check_qk(query, key)
+  checks.check_projection(projection, query.shape[-1], query.shape[-2])
+
+  def feats(z):
+    wz = _project(z.astype(jnp.float32), projection)
+    both = jnp.concatenate([wz - jax.nn.logsumexp(wz, -1, keepdims=True),
+                            -wz - jax.nn.logsumexp(-wz, -1, keepdims=True)], axis=-1)
+    return LogFeatures(both, None)
+
+  return feats(query), feats(key)
 
 
 positive = Kernel("positive", _positive, lambda m, d: m, estimates_softmax=True)
@@ -269,8 +341,98 @@ optimal_positive = Kernel("optimal_positive", _optimal_positive, lambda m, d: m,
 relu = Kernel("relu", _relu, lambda m, d: m, estimates_softmax=False)
 elu_plus_one = Kernel("elu_plus_one", _elu_plus_one, lambda m, d: d, estimates_softmax=False,
                       needs_projection=False)
+taylor = Kernel("taylor", _taylor, _taylor_features, estimates_softmax=False, needs_projection=False)
+hedgehog = Kernel("hedgehog", _hedgehog, lambda m, d: 2 * m, estimates_softmax=False, learned=True)
 
-KERNELS = {k.name: k for k in (positive, hyperbolic, trigonometric, optimal_positive, relu, elu_plus_one)}
+
+def saderf_statistic(query: Float[Array, "... Lq H D"], key: Float[Array, "... Lk H D"],
+                     key_mask: Bool[Array, "... Lk"] | None = None) -> Float[Array, "... H D+1"]:
+  """FAVOR#'s statistic per batch element and head: [log Ψ₁, …, log Ψ_D, ρ], O(L·d).
+
+  Ψ = diag(Ψ_l) minimises the mean over all (query, key) pairs of ‖Ψx + Ψ⁻¹y‖²
+  = Σ_l (Ψ_l² m_l^x + Ψ_l⁻² m_l^y) + 2·x̄ᵀȳ, with m^x = mean_i x_i², m^y = mean_j y_j²
+  per coordinate: Ψ_l = (m_l^y / m_l^x)^{1/4}. ρ is that mean over pairs / d, the
+  FAVOR++ statistic (:func:`oprf_rho`) of the rescaled pairs. x = q·d^{-1/4},
+  y = k·d^{-1/4}; masked keys are left out. A coordinate that is (nearly) zero
+  in all queries or all keys gets a bounded Ψ_l (every Ψ > 0 is unbiased).
+  """
+  checks.check_qk(query, key)
+  checks.check_lengths(query, key)
+  checks.check_key_mask(key_mask, key.shape)
+  x, y = _scaled(query), _scaled(key)
+  w = _key_weights(y, key_mask)
+  mx, x_bar = jnp.mean(x * x, axis=-3), jnp.mean(x, axis=-3)  # [..., H, D]
+  my, y_bar = jnp.einsum("...l,...lhd->...hd", w, y * y), jnp.einsum("...l,...lhd->...hd", w, y)
+  floor = 1e-8 * jnp.mean(mx + my, axis=-1, keepdims=True) + 1e-30
+  log_psi = 0.25 * (jnp.log(my + floor) - jnp.log(mx + floor))
+  psi_sq = jnp.exp(2.0 * log_psi)
+  pairs = jnp.sum(psi_sq * mx + my / psi_sq + 2.0 * x_bar * y_bar, axis=-1)
+  rho = jnp.maximum(pairs, 0.0) / x.shape[-1]  # ≥ 0 but for rounding
+  return jnp.concatenate([log_psi, rho[..., None]], axis=-1)
+
+
+def _saderf_parts(statistic, query):
+  """(log Ψ [..., H, D], ρ [..., H]) from a statistic broadcastable to [..., H, D+1], or a clear error.
+
+  A concrete statistic must have finite log Ψ and a finite ρ ≥ 0; a traced invalid one gives NaN.
+  """
+  d = query.shape[-1]
+  want = query.shape[:-3] + query.shape[-2:-1] + (d + 1,)
+  shape = jnp.shape(statistic)
+  try:
+    fits = jnp.broadcast_shapes(shape, want) == want
+  except ValueError:
+    fits = False
+  if not fits:
+    raise ValueError(f"rho (saderf's statistic: log Ψ for each of the D={d} coordinates, then ρ) must "
+                     f"broadcast to [..., H, D+1] = {want}, got shape {shape}; see kernels.saderf_statistic")
+  if not isinstance(statistic, jax.core.Tracer):
+    values = np.broadcast_to(np.asarray(statistic, np.float32), want)
+    bad_psi, rho = ~np.isfinite(values[..., :d]), values[..., d]
+    bad_rho = ~(np.isfinite(rho) & (rho >= 0))
+    if bad_psi.any() or bad_rho.any():
+      raise ValueError(f"rho (saderf's statistic [..., H, D+1]) needs finite log Ψ (its first {d} entries) "
+                       f"and a finite ρ >= 0 (its last entry); got {int(bad_psi.sum())} non-finite log Ψ "
+                       f"and ρ values {rho[bad_rho][:4]}")
+  statistic = jnp.broadcast_to(jnp.asarray(statistic, jnp.float32), want)
+  log_psi, rho = statistic[..., :d], statistic[..., d]
+  ok = jnp.all(jnp.isfinite(log_psi), axis=-1) & jnp.isfinite(rho) & (rho >= 0)
+  return jnp.where(jnp.isfinite(log_psi), log_psi, 0.0), jnp.where(ok, rho, jnp.nan)
+
+
+def _saderf(query: Float[Array, "... Lq H D"], key: Float[Array, "... Lk H D"],
+            projection: Float[Array, "M D"] | Float[Array, "H M D"], *, rho=None, key_mask=None,
+            causal: bool = False):
+  """FAVOR# with SADERFs (Likhosherstov et al. 2023, "Dense-Exponential Random Features: Sharp
+  Positive Estimators of the Gaussian Kernel"): DERFs whose dense matrices are a diagonal Ψ > 0,
+
+      φ(x) = φ_A(Ψx),  ψ(y) = φ_A(Ψ⁻¹y),  φ_A(z) = (1−4A)^{d/4} exp(A‖ω‖² + √(1−4A) ωᵀz − ‖z‖²/2) / √M,
+
+  unbiased for exp(xᵀy) for every such Ψ and A < 1/8, as (Ψx)ᵀ(Ψ⁻¹y) = xᵀy and φ_A
+  is FAVOR++'s (:func:`_optimal_positive`). The mean over all pairs of
+  log E[(φ(x)ᵀψ(y))²] is, up to terms free of Ψ, (‖Ψx‖² + ‖Ψ⁻¹y‖²)/(1−8A) averaged,
+  so its minimiser Ψ does not depend on A; A is then FAVOR++'s A* for the rescaled
+  pairs. Both come from ``rho`` = :func:`saderf_statistic` ([..., H, D+1]: log Ψ,
+  then ρ), computed from the whole sequence unless given; ``causal=True``
+  requires it from the caller. Ψ = I gives FAVOR++. The statistic is held
+  constant under ``grad``: any Ψ and A give an unbiased estimator.
+  """
+  checks.check_qk(query, key)
+  if rho is None:
+    if causal:
+      raise causal_statistic_error(saderf, query)
+    rho = saderf_statistic(query, key, key_mask)
+  log_psi, rho = _saderf_parts(rho, query)
+  psi = jnp.exp(jax.lax.stop_gradient(log_psi))[..., None, :, :]
+  return _optimal_positive(query.astype(jnp.float32) * psi, key.astype(jnp.float32) / psi, projection,
+                           rho=rho)
+
+
+saderf = Kernel("saderf", _saderf, lambda m, d: m, estimates_softmax=True, statistic="rho",
+                compute_statistic=saderf_statistic)
+
+KERNELS = {k.name: k for k in (positive, hyperbolic, trigonometric, optimal_positive, relu, elu_plus_one,
+                               taylor, hedgehog, saderf)}
 
 
 def get_kernel(kernel):
@@ -282,6 +444,7 @@ def get_kernel(kernel):
   return KERNELS[kernel]
 
 
-def num_features(kernel, num_projections: int, head_dim: int) -> int:
-  """F, the feature count ``kernel`` (a name or a :class:`Kernel`) produces from an [M, D] projection."""
+def num_features(kernel, num_projections: int | None, head_dim: int) -> int:
+  """F, the feature count ``kernel`` (a name or a :class:`Kernel`) produces from an [M, D] projection
+  (``num_projections`` = M; None: called without a projection)."""
   return get_kernel(kernel).num_features(num_projections, head_dim)

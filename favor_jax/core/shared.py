@@ -213,35 +213,54 @@ def resolve_kernel(kernel, projection, rho, query):
   record = isinstance(kern, kernels_lib.Kernel)
   name = kern.name if record else getattr(kern, "__name__", repr(kern))
   if projection is not None:
-    checks.check_projection(projection, query.shape[-1])
+    checks.check_projection(projection, query.shape[-1], query.shape[-2])
   elif not record or kern.needs_projection:
     raise ValueError(f"kernel {name!r} needs a projection [M, {query.shape[-1]}], got None")
   data_dependent = record and kern.data_dependent
   if rho is not None and not data_dependent:
-    raise ValueError(f"rho is the FAVOR++ statistic; kernel {name!r} takes none")
+    raise ValueError(f"rho is the FAVOR++ statistic (or FAVOR#'s); kernel {name!r} takes none")
   return kern, data_dependent
 
 
-def flat_rho(rho, query):
-  """ρ broadcast to [..., H] and flattened to [N, H] like the batch; None stays None."""
+def statistic_shape(kern, query) -> tuple[int, ...]:
+  """The shape of a data-dependent kernel's statistic for ``query``: what ``kern.compute_statistic``
+  returns ([..., H] for FAVOR++'s ρ, [..., H, D+1] for FAVOR#'s)."""
+  one = jax.ShapeDtypeStruct(query.shape[:-3] + (1,) + query.shape[-2:], jnp.float32)
+  return jax.eval_shape(kern.compute_statistic, one, one).shape
+
+
+def flat_rho(rho, query, kern=None):
+  """The statistic ``rho`` broadcast to :func:`statistic_shape` (without ``kern``: [..., H]) and
+  flattened to [N, H, ...] like the batch; None stays None."""
   if rho is None:
     return None
-  return kernels_lib.broadcast_rho(rho, query).reshape((-1, query.shape[-2]))
+  if kern is None:
+    return kernels_lib.broadcast_rho(rho, query).reshape((-1, query.shape[-2]))
+  shape = statistic_shape(kern, query)
+  rho = jnp.asarray(rho, jnp.float32)
+  try:
+    rho = jnp.broadcast_to(rho, shape)
+  except ValueError:
+    raise ValueError(f"rho must broadcast to {kern.name}'s statistic shape {shape}, got shape "
+                     f"{rho.shape}") from None
+  return rho.reshape((-1,) + shape[query.ndim - 3:])
 
 
 def feature_fn_for(kern, projection, rho_NH, causal):
   """feature_fn(q, k) -> (LogFeatures, LogFeatures) on flattened [N, l, H, D] slices.
 
-  Our kernels are ``layout_free`` (per row, ρ aligned with the heads axis
-  whatever the leading dims); a user callable with its own key
+  Our kernels with a shared (or no) projection are ``layout_free`` (per row, ρ
+  aligned with the heads axis whatever the leading dims); a user callable with its own key
   stabiliser (a max over all positions) is ``whole_sequence``.
   """
   if isinstance(kern, kernels_lib.Kernel):
     def feature_fn(q, k):
-      rho = {} if rho_NH is None else {"rho": rho_NH.reshape(q.shape[:-3] + q.shape[-2:-1])}
+      trailing = () if rho_NH is None else rho_NH.shape[2:]  # the statistic's shape beyond [N, H]
+      rho = {} if rho_NH is None else {"rho": rho_NH.reshape(q.shape[:-3] + q.shape[-2:-1] + trailing)}
       return kern.log_features(q, k, projection, **rho)
 
-    feature_fn.layout_free = True
+    # A per-head projection [H, M, D] pairs ω with the heads axis, so the rows keep their layout.
+    feature_fn.layout_free = projection is None or projection.ndim == 2
     return feature_fn
 
   def feature_fn(q, k):
@@ -294,13 +313,18 @@ def key_state(feature_fn, k, v, mask, block: int | None = None) -> RecurrentStat
   return fold(step, initial_state(feature_fn, k, k, v), k.shape[1], block)
 
 
-def read_out(fq, state: RecurrentState):
+def read_out(fq, state: RecurrentState, *, with_scale: bool = False):
   """Query rows against a state: fq LogFeatures [..., R, F], state μ [..., F], S [..., F, E] -> [..., R, E].
 
-  Each row is scaled by its largest term max_f (log φ(q)_f + μ_f).
+  Each row is scaled by its largest term s = max_f (log φ(q)_f + μ_f); ``with_scale``
+  also returns s [..., R] (a constant under grad; −∞ for the empty state).
   """
   log_q, mult_q = parts(fq)
   shifted = log_q + finite_or_zero(state.mu)[..., None, :]
-  q_hat = exp_times(shifted, finite_or_zero(jnp.max(shifted, axis=-1, keepdims=True)), mult_q)
-  return jnp.einsum("...rf,...fe->...re", q_hat, state.s)
+  scale = jax.lax.stop_gradient(jnp.max(shifted, axis=-1))
+  y = jnp.einsum("...rf,...fe->...re", exp_times(shifted, finite_or_zero(scale)[..., None], mult_q), state.s)
+  if not with_scale:
+    return y
+  seen = jnp.any(jnp.isfinite(state.mu), axis=-1, keepdims=True)
+  return y, jnp.where(seen, scale, NEG_INF)
 

@@ -3,7 +3,14 @@
 - :func:`make_attention_fn` — a drop-in ``attention_fn`` for
   ``flax.linen.MultiHeadDotProductAttention`` and ``flax.nnx.MultiHeadAttention``.
 - :mod:`favor_jax.layers.linen` / :mod:`favor_jax.layers.nnx` — ``FavorAttention``
-  modules that own their projection, redraw it and decode token by token.
+  modules that own their projection (random, per head, or a learned feature
+  map), redraw it and decode token by token, optionally with an exact local window.
+- :func:`distillation_loss` — Hedgehog's loss fitting a learned feature map to
+  softmax's attention weights (converting a trained softmax model).
+
+What a layer keeps for a kernel is read off its ``core.KERNELS`` record: a
+random projection (``favor`` collection, redrawable), a learned ``feature_map``
+(``params``, ``Kernel.learned``) or nothing (``needs_projection=False``).
 """
 
 from __future__ import annotations
@@ -13,26 +20,108 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float
+from jaxtyping import Array, Bool, Float
 
 from favor_jax import core
 
-__all__ = ["make_attention_fn", "draw_projection", "redraw_due", "PROJECTIONS"]
+__all__ = ["make_attention_fn", "draw_projection", "redraw_due", "distillation_loss", "PROJECTIONS"]
 
 PROJECTIONS = tuple(core.PROJECTIONS)  # the order that a layer's stored projection_kind indexes
+DEFAULT_NUM_FEATURES = 256  # M of a random projection when the layer is not given num_features
+DEFAULT_PROJECTION = "orthogonal"  # the kind drawn when the layer is not given projection
 draw_projection = core.draw_projection
 draw_projection_by_index = core.draw_projection_by_index
 
 
-def check_favor_args(*, num_features, kernel, projection, causal, decode) -> None:
+def projection_role(kernel) -> str:
+  """What a layer keeps for ``kernel``: ``"random"`` (a drawn projection in the ``favor`` collection),
+  ``"learned"`` (a trained ``feature_map`` parameter, initialised to the identity) or ``"none"``."""
+  kern = core.get_kernel(kernel)
+  if not isinstance(kern, core.kernels.Kernel):
+    return "random"  # a user callable is given a projection, as favor_attention gives it one
+  if kern.learned:
+    return "learned"
+  return "random" if kern.needs_projection else "none"
+
+
+def per_head(kernel, per_head_projection) -> bool:
+  """Whether the layer's projection is [H, M, D]: as asked, else per head for learned kernels only."""
+  if per_head_projection is None:
+    return projection_role(kernel) == "learned"
+  return per_head_projection
+
+
+def _check_optional_size(name, value) -> None:
+  if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+    raise ValueError(f"{name} must be a positive int or None, got {value!r}")
+
+
+def check_window(window) -> None:
+  if isinstance(window, bool) or not isinstance(window, int) or window < 0:
+    raise ValueError(f"window must be an int >= 0 (0: no exact local window), got {window!r}")
+
+
+def check_favor_args(*, num_features, kernel, projection, causal, decode, window=0, per_head_projection=None,
+                     qk_head_dim=None) -> None:
   """The checks every FavorAttention layer (Linen and NNX) makes of its FAVOR arguments."""
-  if projection not in PROJECTIONS:
-    raise ValueError(f"projection must be one of {PROJECTIONS}, got {projection!r}")
-  if isinstance(num_features, bool) or not isinstance(num_features, int) or num_features <= 0:
-    raise ValueError(f"num_features must be a positive int, got {num_features!r}")
   core.get_kernel(kernel)
+  role = projection_role(kernel)
+  _check_optional_size("num_features", num_features)
+  if projection is not None and projection not in PROJECTIONS:
+    raise ValueError(f"projection must be one of {PROJECTIONS}, got {projection!r}")
+  if role != "random":
+    what = ("learns its feature map (a [head_dim, head_dim] parameter per head, initialised to the identity)"
+            if role == "learned" else "uses no projection (its features are a fixed function of q and k)")
+    for name, value in (("num_features", num_features), ("projection", projection)):
+      if value is not None:
+        raise ValueError(f"kernel {kernel!r} {what}, so {name} has no meaning for it; got {name}={value!r}: "
+                         "leave it None")
+  if per_head_projection not in (None, True, False):
+    raise ValueError(f"per_head_projection must be None, True or False, got {per_head_projection!r}")
+  if role == "none" and per_head_projection:
+    raise ValueError(f"per_head_projection=True: kernel {kernel!r} uses no projection to make per head")
+  check_window(window)
+  _check_optional_size("qk_head_dim", qk_head_dim)
   if decode and not causal:
     raise ValueError("decode=True needs causal=True: decoding is autoregressive")
+
+
+def layer_projection(key, kernel, num_features, projection, per_head_projection, heads: int, qk_dim: int):
+  """The initial projection a layer stores for ``kernel`` (None if it uses none).
+
+  Random kernels: [M, D], or [H, M, D] with each head an independent draw.
+  Learned kernels: the identity, [D, D] or [H, D, D].
+  """
+  role = projection_role(kernel)
+  if role == "none":
+    return None
+  lead = (heads,) if per_head(kernel, per_head_projection) else ()
+  if role == "learned":
+    return jnp.broadcast_to(jnp.eye(qk_dim, dtype=jnp.float32), lead + (qk_dim, qk_dim))
+  num_features = DEFAULT_NUM_FEATURES if num_features is None else num_features
+  draw = lambda k: draw_projection(k, projection_kind(projection), num_features, qk_dim)
+  return _per_head_draws(draw, key, lead)
+
+
+def projection_kind(projection) -> str:
+  """The projection kind a layer draws (``DEFAULT_PROJECTION`` when not given)."""
+  return DEFAULT_PROJECTION if projection is None else projection
+
+
+def _per_head_draws(draw, key, lead):
+  return draw(key) if not lead else jax.vmap(draw)(jax.random.split(key, lead[0]))
+
+
+def redraw_projection(key, kind, old):
+  """A fresh projection shaped like ``old`` ([M, D], or [H, M, D]: H independent draws) in ``old``'s dtype.
+
+  ``kind``: a name in ``PROJECTIONS``, or its index there (may be traced).
+  """
+  if old.ndim not in (2, 3):
+    raise ValueError(f"a stored projection must have shape [M, D] or [H, M, D], got {old.shape}")
+  by = draw_projection if isinstance(kind, str) else draw_projection_by_index
+  draw = lambda k: by(k, kind, *old.shape[-2:])
+  return _per_head_draws(draw, key, old.shape[:-2]).astype(old.dtype)
 
 
 def is_data_dependent(kernel) -> bool:
@@ -96,30 +185,65 @@ def precision_scope(precision):
   return jax.default_matmul_precision(precision)
 
 
-def updated_rho(running, query, key, key_mask, momentum: float):
-  """Exponential moving average of FAVOR++'s ρ [H] with this batch's mean ρ (no gradient)."""
-  batch_rho = jax.lax.stop_gradient(core.oprf_rho(query, key, key_mask))
-  batch_rho = batch_rho.reshape((-1, batch_rho.shape[-1])).mean(0)
-  return momentum * running + (1 - momentum) * batch_rho
+def _statistic_of(kernel, query, key, key_mask):
+  return core.get_kernel(kernel).compute_statistic(query, key, key_mask)
+
+
+def initial_statistic(kernel, heads: int, qk_dim: int):
+  """Zeros shaped like ``kernel``'s statistic of one sequence (FAVOR++'s ρ: [H]); zero ρ is FAVOR+."""
+  one = jax.ShapeDtypeStruct((1, 1, heads, qk_dim), jnp.float32)
+  shapes = jax.eval_shape(lambda q, k: _statistic_of(kernel, q, k, None), one, one)
+  return jax.tree.map(lambda s: jnp.zeros(s.shape[1:], jnp.float32), shapes)
+
+
+def updated_statistic(kernel, running, query, key, key_mask, momentum: float):
+  """Exponential moving average of ``kernel``'s statistic with this batch's mean one (no gradient).
+
+  The kernel record computes the statistic per batch element; its mean over the batch dims keeps
+  the running value's shape (FAVOR++'s ρ: [H]).
+  """
+  batch_stat = jax.lax.stop_gradient(_statistic_of(kernel, query, key, key_mask))
+  batch_dims = tuple(range(query.ndim - 3))
+
+  def step(old, new):
+    new = jnp.mean(new.astype(jnp.float32), axis=batch_dims)
+    if new.shape != old.shape:
+      raise ValueError(f"the running statistic has shape {old.shape}, this batch's has {new.shape}")
+    return momentum * old + (1 - momentum) * new
+
+  return jax.tree.map(step, running, batch_stat)
+
+
+def attend(query, key, value, projection, *, window: int = 0, **kwargs):
+  """``core.favor_attention``, or ``core.hybrid_attention`` (exact softmax within ``window``) if window > 0."""
+  if window:
+    return core.hybrid_attention(query, key, value, projection, window=window, **kwargs)
+  return core.favor_attention(query, key, value, projection, **kwargs)
 
 
 def make_attention_fn(
-    projection: Float[Array, "M D"] | None,
+    projection: Float[Array, "M D"] | Float[Array, "H M D"] | None,
     *,
     kernel="positive",
     causal: bool = False,
     rho=None,
     chunk_size: int = 64,
+    window: int = 0,
 ) -> Callable[..., Array]:
   """An ``attention_fn`` computing :func:`favor_attention` with a fixed ``projection``.
 
   Pass it to ``flax.linen.MultiHeadDotProductAttention(attention_fn=...)`` or
-  ``flax.nnx.MultiHeadAttention(attention_fn=...)``. Key-padding masks are
+  ``flax.nnx.MultiHeadAttention(attention_fn=...)``. ``projection``: [M, D]
+  shared by the heads, [H, M, D] one per head, or None for a kernel that uses
+  none (``taylor``, ``elu_plus_one``). ``window`` > 0: exact softmax for keys
+  within ``window`` positions and the kernel's estimate for the rest
+  (:func:`core.hybrid_attention`). Key-padding masks are
   honoured; ``causal=True`` here or ``is_causal=True`` from NNX gives causal
   attention; full masks, ``bias``, attention dropout, ``sow_weights`` and
   unknown keywords with a non-default value raise instead of being ignored.
   """
   core.get_kernel(kernel)  # unknown names fail here, not at the first call
+  check_window(window)
 
   def attention_fn(query, key, value, bias=None, mask=None, broadcast_dropout=True, dropout_rng=None,
                    dropout_rate=0.0, deterministic=False, dtype=None, precision=None, module=None,
@@ -139,9 +263,44 @@ def make_attention_fn(
       raise ValueError(f"FAVOR attention_fn cannot honour the keyword arguments {sorted(bad)}")
     check_dropout(dropout_rate, deterministic)
     with precision_scope(precision):
-      out = core.favor_attention(query, key, value, projection, kernel=kernel,
-                                 causal=bool(causal or is_causal),
-                                 key_mask=key_mask_from_flax(mask, key), rho=rho, chunk_size=chunk_size)
+      out = attend(query, key, value, projection, window=window, kernel=kernel,
+                   causal=bool(causal or is_causal), key_mask=key_mask_from_flax(mask, key), rho=rho,
+                   chunk_size=chunk_size)
     return out if dtype is None else out.astype(dtype)
 
   return attention_fn
+
+
+def distillation_loss(
+    query: Float[Array, "... L H D"],
+    key: Float[Array, "... L H D"],
+    feature_map: Float[Array, "M D"] | Float[Array, "H M D"],
+    *,
+    kernel="hedgehog",
+    causal: bool = False,
+    key_mask: Bool[Array, "... L"] | None = None,
+) -> Float[Array, ""]:
+  """Hedgehog's distillation loss (Zhang et al. 2024): the cross-entropy of each row of the kernel's
+  attention weights against softmax's,
+
+      −mean over rows (batch, head, query) of Σ_j softmax_ij · log A_ij,
+      A = core.attention_weights(query, key, feature_map, kernel=kernel),
+
+  over the rows that see at least one key. ``query`` and ``key`` (a trained
+  softmax layer's, on real inputs: NNX ``layer.query(x)``, ``layer.key(x)``;
+  Linen ``apply(..., capture_intermediates=True)``) are held fixed: only
+  ``feature_map`` gets a gradient, so ``jax.grad`` with respect to it drives a
+  plain optax loop; the fitted map is then the hedgehog layer's ``feature_map``
+  parameter. The loss minus softmax's entropy is the mean KL divergence, ≥ 0,
+  0 when the weights match.
+  """
+  if kernel == "softmax":
+    raise ValueError("kernel must be a feature map to fit to softmax, got 'softmax'")
+  query, key = jax.lax.stop_gradient(query), jax.lax.stop_gradient(key)
+  target = jax.lax.stop_gradient(
+      core.attention_weights(query, key, kernel="softmax", causal=causal, key_mask=key_mask))
+  weights = core.attention_weights(query, key, feature_map, kernel=kernel, causal=causal, key_mask=key_mask)
+  seen = target > 0
+  cross = -jnp.sum(jnp.where(seen, target * jnp.log(jnp.where(seen, weights, 1.0)), 0.0), axis=-1)
+  rows = jnp.any(seen, axis=-1)
+  return jnp.sum(jnp.where(rows, cross, 0.0)) / jnp.maximum(jnp.sum(rows), 1)

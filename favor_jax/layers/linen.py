@@ -2,13 +2,20 @@
 
 Same constructor arguments and parameter tree as
 ``flax.linen.MultiHeadDotProductAttention`` (a softmax model's ``params`` load
-unchanged), plus ``num_features``, ``kernel``, ``projection``, ``causal``.
+unchanged), plus ``num_features``, ``kernel``, ``projection``, ``causal``,
+``per_head_projection``, ``window`` and ``qk_head_dim``.
 
 Variables besides ``params``:
-- ``favor``: ``projection`` [M, head_dim] and ``projection_kind`` (index into
-  ``PROJECTIONS``), and for causal FAVOR++ a running ``rho`` [H]. Never
-  trained; saved with checkpoints; replaced only by :func:`redraw`.
-- ``cache`` (``decode=True``): the constant-size recurrent state.
+- ``favor`` (kernels with a random projection): ``projection`` [M, D] or
+  [H, M, D] and ``projection_kind`` (index into ``PROJECTIONS``), and for a
+  causal data-dependent kernel (FAVOR++) its running statistic, named after the
+  kernel's ``statistic`` (``rho`` [H]). Never trained; saved with checkpoints;
+  the projection is replaced only by :func:`redraw`. Kernels without a
+  projection (``taylor``, ``elu_plus_one``) store none.
+- ``params/feature_map`` (learned kernels, ``hedgehog``): the trained map W,
+  [H, D, D] (or [D, D] with ``per_head_projection=False``), the identity at init.
+- ``cache`` (``decode=True``): the decode state's fields (``mu``, ``s``; with a
+  ``window``, those of ``core.HybridState``).
 """
 
 from __future__ import annotations
@@ -29,12 +36,15 @@ __all__ = ["FavorAttention", "redraw"]
 def redraw(variables, key, due=True):
   """New variables with every FavorAttention projection redrawn (independently per layer) where ``due``.
 
-  Pure and jit-friendly: ``due`` may be traced (see ``layers.redraw_due``).
+  Per-head projections [H, M, D] get H independent draws. Learned feature maps
+  (``params``) are never touched. Pure and jit-friendly: ``due`` may be traced
+  (see ``layers.redraw_due``).
   """
   favor = variables.get("favor")
   if favor is None:
     raise ValueError("no 'favor' collection in variables: pass the full variables of a model with "
-                     "FavorAttention layers (model.init(...) output), not only params")
+                     "FavorAttention layers (model.init(...) output), not only params; layers whose kernel "
+                     "has no random projection (taylor, hedgehog, elu_plus_one) have nothing to redraw")
   if variables.get("cache"):
     raise ValueError("variables hold a decode 'cache' built with the current projections; a redraw would "
                      "mix it with new features. Redraw the variables without 'cache' and build a new "
@@ -44,10 +54,9 @@ def redraw(variables, key, due=True):
   def visit(tree):
     if isinstance(tree, dict) and "projection" in tree and "projection_kind" in tree:
       old = tree["projection"]
-      fresh = layers.draw_projection_by_index(
-          jax.random.fold_in(key, counter[0]), tree["projection_kind"], *old.shape)
+      fresh = layers.redraw_projection(jax.random.fold_in(key, counter[0]), tree["projection_kind"], old)
       counter[0] += 1
-      return {**tree, "projection": jnp.where(due, fresh.astype(old.dtype), old)}
+      return {**tree, "projection": jnp.where(due, fresh, old)}
     if isinstance(tree, dict):
       return {k: visit(v) for k, v in sorted(tree.items())}
     return tree
@@ -58,16 +67,29 @@ def redraw(variables, key, due=True):
 class FavorAttention(nn.MultiHeadDotProductAttention):
   """Multi-head FAVOR attention (Choromanski et al. 2021) as a Linen module.
 
-  Attributes beyond Flax's: ``num_features`` (M), ``kernel`` (a name in
-  ``core.KERNELS``), ``projection`` ("orthogonal", "iid", "simplex"),
-  ``causal``, ``chunk_size`` (causal chunks) and ``rho_momentum`` (running
-  FAVOR++ statistic for causal layers, updated when ``deterministic=False``
-  and the ``favor`` collection is mutable, and only *after* the step that
-  used the old value, so no output depends on later tokens).
+  Attributes beyond Flax's:
+  - ``kernel``: a name in ``core.KERNELS`` (or a callable given the projection).
+  - ``num_features`` (M) and ``projection`` ("orthogonal", "iid", "simplex") of
+    the random projection: None means 256 and "orthogonal"; kernels without a
+    random projection (``taylor``, ``elu_plus_one``, learned ``hedgehog``)
+    refuse them.
+  - ``per_head_projection``: [H, M, D], each head its own independent draw (or
+    its own learned map). None: per head for learned kernels, shared otherwise.
+  - ``window`` > 0: exact softmax for the keys within ``window`` positions and
+    the kernel's estimate for the rest (``core.hybrid_attention``; Scatterbrain).
+  - ``qk_head_dim``: query/key head dim when it differs from the value head dim
+    (``qkv_features // num_heads``), as Based's Taylor layers (16) do.
+  - ``causal``, ``chunk_size`` (causal chunks) and ``rho_momentum`` (running
+    statistic of a causal data-dependent kernel, updated when
+    ``deterministic=False`` and the ``favor`` collection is mutable, and only
+    *after* the step that used the old value, so no output depends on later tokens).
   """
-  num_features: int = 256
+  num_features: int | None = None
   kernel: str = "positive"
-  projection: str = "orthogonal"
+  projection: str | None = None
+  per_head_projection: bool | None = None
+  window: int = 0
+  qk_head_dim: int | None = None
   causal: bool = False
   chunk_size: int = 64
   rho_momentum: float = 0.99
@@ -82,11 +104,15 @@ class FavorAttention(nn.MultiHeadDotProductAttention):
     if self.qk_attn_weights_einsum_cls is not None or self.attn_weights_value_einsum_cls is not None:
       raise ValueError("attention-weight einsum classes do not apply to FAVOR attention")
     layers.check_favor_args(num_features=self.num_features, kernel=self.kernel, projection=self.projection,
-                            causal=self.causal, decode=self.decode)
+                            causal=self.causal, decode=self.decode, window=self.window,
+                            per_head_projection=self.per_head_projection, qk_head_dim=self.qk_head_dim)
     if (self.mesh is None) != (self.sequence_axis is None):
       raise ValueError("sequence-parallel attention needs both mesh and sequence_axis (or neither)")
     if self.decode and self.sequence_axis is not None:
       raise ValueError("decode=True is token by token; it cannot be sequence-parallel (drop sequence_axis)")
+    if self.window and self.sequence_axis is not None:
+      raise ValueError(f"window={self.window}: hybrid attention is not sequence-parallel (drop sequence_axis "
+                       "or use window=0)")
     if self.decode and self.qk_transform is not None:
       raise ValueError("qk_transform with decode=True is not supported: the transform does not see "
                        "the positions of decoded tokens")
@@ -105,72 +131,100 @@ class FavorAttention(nn.MultiHeadDotProductAttention):
     if qkv_features % self.num_heads:
       raise ValueError(f"qkv_features {qkv_features} must be divisible by num_heads {self.num_heads}")
     head_dim = qkv_features // self.num_heads
-    dense = lambda name: nn.DenseGeneral(
-        axis=-1, dtype=self.dtype, param_dtype=self.param_dtype, features=(self.num_heads, head_dim),
+    qk_dim = self.qk_head_dim or head_dim
+    dense = lambda name, dim: nn.DenseGeneral(
+        axis=-1, dtype=self.dtype, param_dtype=self.param_dtype, features=(self.num_heads, dim),
         kernel_init=self.kernel_init, bias_init=self.bias_init, use_bias=self.use_bias,
         precision=self.precision, dot_general=self.qkv_dot_general,
         dot_general_cls=self.qkv_dot_general_cls, name=name)
-    query, key, value = dense("query")(inputs_q), dense("key")(inputs_k), dense("value")(inputs_v)
+    query, key = dense("query", qk_dim)(inputs_q), dense("key", qk_dim)(inputs_k)
+    value = dense("value", head_dim)(inputs_v)
     if self.normalize_qk:
       ln = lambda name: nn.LayerNorm(name=name, use_bias=False, dtype=self.dtype, param_dtype=self.param_dtype)
       query, key = ln("query_ln")(query), ln("key_ln")(key)
     if self.qk_transform is not None:
       query, key = self.qk_transform(query, key)
-
-    projection = self.variable(
-        "favor", "projection",
-        lambda: layers.draw_projection(self.make_rng("params"), self.projection, self.num_features, head_dim))
-    self.variable("favor", "projection_kind",
-                  lambda: jnp.asarray(layers.PROJECTIONS.index(self.projection), jnp.int32))
-    if projection.value.shape != (self.num_features, head_dim):
-      raise ValueError(f"favor/projection must have shape {(self.num_features, head_dim)}, "
-                       f"got {projection.value.shape}")
+    projection = self._projection(qk_dim)
 
     deterministic = True if deterministic is None and self.deterministic is None else (
         self.deterministic if deterministic is None else deterministic)
     layers.check_dropout(self.dropout_rate, deterministic)
     key_mask = layers.key_mask_from_flax(mask, key)
-    rho = self._running_rho(query, key, key_mask, train=not deterministic)
+    rho = self._running_statistic(query, key, key_mask, train=not deterministic)
     attend = dict(kernel=self.kernel, key_mask=key_mask, rho=rho, chunk_size=self.chunk_size)
     with layers.precision_scope(self.precision):
       if self.decode:
-        x = self._decode(query, key, value, projection.value, attend)
+        x = self._decode(query, key, value, projection, attend)
       elif self.sequence_axis is not None:
-        if rho is None and layers.is_data_dependent(self.kernel):
-          attend["rho"] = core.oprf_rho(query, key, key_mask)  # the global statistic (XLA reduces it)
+        if rho is None and layers.is_data_dependent(self.kernel):  # the global statistic (XLA reduces it)
+          attend["rho"] = core.get_kernel(self.kernel).compute_statistic(query, key, key_mask)
         x = parallel.sequence_parallel_attention(
-            query, key, value, projection.value, mesh=self.mesh, axis_name=self.sequence_axis,
+            query, key, value, projection, mesh=self.mesh, axis_name=self.sequence_axis,
             batch_axis=self.batch_axis, causal=self.causal, **attend)
       else:
-        x = core.favor_attention(query, key, value, projection.value, causal=self.causal, **attend)
+        x = layers.attend(query, key, value, projection, window=self.window, causal=self.causal, **attend)
     return nn.DenseGeneral(
         features=features, axis=(-2, -1), kernel_init=self.out_kernel_init or self.kernel_init,
         bias_init=self.out_bias_init or self.bias_init, use_bias=self.use_bias, dtype=self.dtype,
         param_dtype=self.param_dtype, precision=self.precision, dot_general=self.out_dot_general,
         dot_general_cls=self.out_dot_general_cls, name="out")(x)
 
-  def _running_rho(self, query, key, key_mask, train):
-    """Causal FAVOR++: the running ρ as it was before this step (then updated if training)."""
+  def _projection(self, qk_dim):
+    """The drawn ``favor/projection``, the trained ``params/feature_map``, or None (kernel without one)."""
+    role = layers.projection_role(self.kernel)
+    if role == "none":
+      return None
+    lead = (self.num_heads,) if layers.per_head(self.kernel, self.per_head_projection) else ()
+    initial = lambda rng: layers.layer_projection(rng, self.kernel, self.num_features, self.projection,
+                                                  self.per_head_projection, self.num_heads, qk_dim)
+    if role == "learned":
+      want, name = lead + (qk_dim, qk_dim), "params/feature_map"
+      if self.has_variable("params", "feature_map"):  # checked here: Flax's own check names no argument
+        self._check_shape(name, self.get_variable("params", "feature_map"), want)
+      value = self.param("feature_map", lambda rng: initial(rng).astype(self.param_dtype))
+    else:
+      value = self.variable("favor", "projection", lambda: initial(self.make_rng("params"))).value
+      self.variable("favor", "projection_kind",
+                    lambda: jnp.asarray(layers.PROJECTIONS.index(layers.projection_kind(self.projection)),
+                                        jnp.int32))
+      num_features = self.num_features or layers.DEFAULT_NUM_FEATURES
+      want, name = lead + (num_features, qk_dim), "favor/projection"
+    self._check_shape(name, value, want)
+    return value
+
+  def _check_shape(self, name, value, want):
+    if value.shape != want:
+      raise ValueError(f"{name} must have shape {want}, got {value.shape} (num_heads={self.num_heads}, "
+                       f"kernel={self.kernel!r}, per_head_projection={self.per_head_projection})")
+
+  def _running_statistic(self, query, key, key_mask, train):
+    """Causal data-dependent kernels: the running statistic as it was before this step (then updated
+    if training). Named after the kernel's ``statistic`` (FAVOR++: ``rho`` [H])."""
     if not (self.causal and layers.is_data_dependent(self.kernel)):
       return None
-    rho = self.variable("favor", "rho", jnp.zeros, (self.num_heads,), jnp.float32)
-    used = rho.value
+    kern = core.get_kernel(self.kernel)
+    stat = self.variable("favor", kern.statistic, layers.initial_statistic, self.kernel, *query.shape[-2:])
+    used = stat.value
     if train and self.is_mutable_collection("favor") and not self.is_initializing():
-      rho.value = layers.updated_rho(used, query, key, key_mask, self.rho_momentum)
+      stat.value = layers.updated_statistic(self.kernel, used, query, key, key_mask, self.rho_momentum)
     return used
 
   def _decode(self, query, key, value, projection, attend):
-    initialized = self.has_variable("cache", "mu")
+    window = {"window": self.window} if self.window else {}
     empty = lambda: core.favor_decode_init(query[..., :1, :, :], value[..., :1, :, :], projection,
-                                           kernel=self.kernel)
-    mu = self.variable("cache", "mu", lambda: empty().mu)
-    s = self.variable("cache", "s", lambda: empty().s)
-    if not initialized:
+                                           kernel=self.kernel, **window)
+    fields = type(jax.eval_shape(empty))._fields
+    if not self.has_variable("cache", fields[0]):
       if not self.is_initializing():
         raise ValueError("decode=True needs the recurrent state: pass the 'cache' collection from "
                          "model.init(...) (with decode=True) in the variables, and mutable=['cache']")
-      return core.favor_attention(query, key, value, projection, causal=True, **attend)
-    state, x = core.favor_decode_step(core.RecurrentState(mu.value, s.value), query, key, value,
-                                      projection, **attend)
-    mu.value, s.value = state.mu, state.s
+      state = empty()
+      for name in fields:
+        self.variable("cache", name, lambda name=name: getattr(state, name))
+      return layers.attend(query, key, value, projection, causal=True, **window, **attend)
+    cache = [self.variable("cache", name) for name in fields]
+    state = type(jax.eval_shape(empty))(*(c.value for c in cache))
+    state, x = core.favor_decode_step(state, query, key, value, projection, **window, **attend)
+    for c, new in zip(cache, state):
+      c.value = new
     return x

@@ -1,9 +1,13 @@
 """NNX ``FavorAttention``: ``flax.nnx.MultiHeadAttention`` with FAVOR inside.
 
 Subclasses Flax's module, so constructor arguments and parameter names are
-Flax's own; adds ``num_features``, ``kernel``, ``projection``, ``causal``.
-The projection is a :class:`FavorProjection` variable (not an ``nnx.Param``:
-optimizers built on ``nnx.Param`` never touch it; it is saved with the state).
+Flax's own; adds ``num_features``, ``kernel``, ``projection``,
+``per_head_projection``, ``window``, ``qk_head_dim`` and ``causal``.
+A random projection is a :class:`FavorProjection` variable (not an
+``nnx.Param``: optimizers built on ``nnx.Param`` never touch it; it is saved
+with the state). A learned kernel's map (``hedgehog``) is the ``nnx.Param``
+``feature_map``, initialised to the identity; kernels without a projection
+(``taylor``, ``elu_plus_one``) store none.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from flax.nnx.nn.attention import default_kernel_init
 
 from favor_jax import core, layers
 
@@ -18,36 +23,49 @@ __all__ = ["FavorAttention", "FavorProjection", "FavorStats", "redraw"]
 
 
 class FavorProjection(nnx.Variable):
-  """The random projection ω [M, head_dim]: state, never a trainable parameter."""
+  """The random projection ω [M, head_dim] (or [H, M, head_dim]): state, never a trainable parameter."""
 
 
 class FavorStats(nnx.Variable):
-  """Running FAVOR++ statistic ρ [H] of a causal layer."""
+  """Running statistic of a causal data-dependent kernel (FAVOR++'s ρ [H])."""
 
 
 def redraw(model: nnx.Module, key, due=True) -> None:
   """Redraws, in place and independently per layer, every FavorAttention projection in ``model`` where ``due``.
 
-  Works inside ``nnx.jit``; ``due`` may be traced (see ``layers.redraw_due``).
+  Layers without a random projection (learned or fixed feature maps) are left
+  as they are. Works inside ``nnx.jit``; ``due`` may be traced (see ``layers.redraw_due``).
   """
   found = [m for _, m in nnx.iter_graph(model) if isinstance(m, FavorAttention)]
   if not found:
     raise ValueError("redraw found no FavorAttention layer in the model")
-  for i, module in enumerate(found):
+  random = [m for m in found if m.projection is not None]
+  if not random:
+    raise ValueError(f"redraw found no FavorAttention layer with a random projection: kernels "
+                     f"{sorted({m.kernel for m in found})} have nothing to redraw")
+  for i, module in enumerate(random):
     module.redraw(jax.random.fold_in(key, i), due=due)
 
 
 class FavorAttention(nnx.MultiHeadAttention):
   """Multi-head FAVOR attention (Choromanski et al. 2021) with Flax NNX's interface.
 
-  ``decode=True`` with :meth:`init_cache` decodes in O(M·Dv) per token from a
-  constant-size state. Causal FAVOR++ layers keep a running ρ, updated in
-  training (``deterministic=False``) after the step that used the old value.
+  ``num_features`` (M) and ``projection`` kind: None means 256 and
+  "orthogonal"; kernels without a random projection refuse them.
+  ``per_head_projection``: [H, M, D], each head an independent draw (None:
+  per head for learned kernels only). ``window`` > 0: exact softmax within the
+  window plus the kernel's estimate elsewhere (``core.hybrid_attention``).
+  ``qk_head_dim``: query/key head dim, when it differs from the value's.
+  ``decode=True`` with :meth:`init_cache` decodes token by token from a
+  constant-size state (plus the last ``window`` keys and values). Causal
+  data-dependent layers (FAVOR++) keep a running statistic, updated in training
+  (``deterministic=False``) after the step that used the old value.
   """
 
   def __init__(self, num_heads: int, in_features: int, qkv_features: int | None = None,
-               out_features: int | None = None, *, num_features: int = 256, kernel: str = "positive",
-               projection: str = "orthogonal", causal: bool = False, chunk_size: int = 64,
+               out_features: int | None = None, *, num_features: int | None = None, kernel: str = "positive",
+               projection: str | None = None, per_head_projection: bool | None = None, window: int = 0,
+               qk_head_dim: int | None = None, causal: bool = False, chunk_size: int = 64,
                rho_momentum: float = 0.99, rngs: nnx.Rngs, **flax_kwargs):
     if "attention_fn" in flax_kwargs:
       raise ValueError("FavorAttention computes its own attention; do not pass attention_fn")
@@ -55,47 +73,93 @@ class FavorAttention(nnx.MultiHeadAttention):
       raise ValueError(f"FavorAttention needs num_kv_heads == num_heads ({num_heads}), "
                        f"got {flax_kwargs['num_kv_heads']}")
     layers.check_favor_args(num_features=num_features, kernel=kernel, projection=projection, causal=causal,
-                            decode=flax_kwargs.get("decode", False))
+                            decode=flax_kwargs.get("decode", False), window=window,
+                            per_head_projection=per_head_projection, qk_head_dim=qk_head_dim)
     super().__init__(num_heads, in_features, qkv_features, out_features, rngs=rngs, **flax_kwargs)
     self.kernel = kernel
-    self.projection_kind = projection
+    self.projection_kind = layers.projection_kind(projection)
+    self.window = window
     self.causal = causal
     self.chunk_size = chunk_size
     self.rho_momentum = rho_momentum
-    self.projection = FavorProjection(
-        layers.draw_projection(rngs.params(), projection, num_features, self.head_dim))
-    data_dependent = layers.is_data_dependent(kernel)
-    self.rho = FavorStats(jnp.zeros((num_heads,), jnp.float32)) if causal and data_dependent else None
-    self.cached_mu = self.cached_s = nnx.data(None)
+    self.qk_head_dim = qk_head_dim or self.head_dim
+    if self.qk_head_dim != self.head_dim:
+      self._rebuild_query_key(flax_kwargs, rngs)
+    initial = layers.layer_projection(rngs.params(), kernel, num_features, projection, per_head_projection,
+                                      num_heads, self.qk_head_dim)
+    learned = layers.projection_role(kernel) == "learned"
+    self.projection = FavorProjection(initial) if initial is not None and not learned else nnx.data(None)
+    self.projection_shape = None if initial is None else tuple(initial.shape)
+    self.feature_map = nnx.Param(initial.astype(self.param_dtype)) if learned else nnx.data(None)
+    data_dependent = causal and layers.is_data_dependent(kernel)
+    self.statistic = (FavorStats(layers.initial_statistic(kernel, num_heads, self.qk_head_dim))
+                      if data_dependent else nnx.data(None))
+    self.decode_state = nnx.data(None)
+
+  def _rebuild_query_key(self, flax_kwargs, rngs) -> None:
+    """Query and key maps (and their LayerNorms) to ``qk_head_dim`` per head instead of the value's."""
+    linear = lambda in_features: nnx.LinearGeneral(
+        in_features, (self.num_heads, self.qk_head_dim), dtype=self.dtype, param_dtype=self.param_dtype,
+        kernel_init=flax_kwargs.get("kernel_init", default_kernel_init),
+        bias_init=flax_kwargs.get("bias_init", nnx.initializers.zeros_init()), use_bias=self.use_bias,
+        precision=self.precision, promote_dtype=self.qkv_promote_dtype, dot_general=self.qkv_dot_general,
+        dot_general_cls=self.qkv_dot_general_cls, rngs=rngs,
+        **{k: flax_kwargs[k] for k in ("kernel_metadata", "bias_metadata") if k in flax_kwargs})
+    self.query, self.key = linear(self.in_features), linear(self.in_kv_features)
+    if self.normalize_qk:
+      ln = lambda meta: nnx.LayerNorm(self.qk_head_dim, use_bias=False, dtype=self.dtype,
+                                      param_dtype=self.param_dtype, promote_dtype=self.ln_promote_dtype,
+                                      scale_metadata=flax_kwargs.get(meta, {}), rngs=rngs)
+      self.query_ln, self.key_ln = ln("query_ln_scale_metadata"), ln("key_ln_scale_metadata")
+
+  def _projection(self):
+    """What the core functions get: the random projection, the learned map, or None."""
+    for var in (self.projection, self.feature_map):
+      if var is not None:
+        return var[...]
+    return None
 
   def redraw(self, key, due=True) -> None:
     """Sets a fresh projection drawn from ``key`` (kept as is where ``due`` is False).
 
-    Not while a decode cache is held: its state was built with the current
-    projection (call :meth:`clear_cache` first, then :meth:`init_cache` again).
+    Per-head projections get one independent draw per head. Not while a decode
+    cache is held: its state was built with the current projection (call
+    :meth:`clear_cache` first, then :meth:`init_cache` again).
     """
-    if self.cached_s is not None:
+    if self.projection is None:
+      raise ValueError(f"kernel {self.kernel!r} has no random projection to redraw"
+                       + (" (its feature_map is trained)" if self.feature_map is not None else ""))
+    if self.decode_state is not None:
       raise ValueError("this layer holds a decode cache built with its current projection; a redraw "
                        "would mix that state with new features. Call clear_cache() first, then "
                        "init_cache(...) again after the redraw.")
     old = self.projection[...]
-    fresh = layers.draw_projection(key, self.projection_kind, *old.shape).astype(old.dtype)
+    if old.shape != self.projection_shape:
+      raise ValueError(f"projection must have shape {self.projection_shape} (per_head_projection="
+                       f"{len(self.projection_shape) == 3}), got {old.shape}; set it back or build a new layer")
+    fresh = layers.redraw_projection(key, self.projection_kind, old)
     self.projection[...] = jnp.where(due, fresh, old)
 
   def init_cache(self, input_shape, dtype=jnp.float32) -> None:
-    """Allocates the recurrent state for ``decode=True``; ``input_shape`` is [batch..., length, features]."""
+    """Allocates the decode state for ``decode=True``; ``input_shape`` is [batch..., length, features]."""
     if not jnp.issubdtype(jnp.dtype(dtype), jnp.floating):
       raise TypeError(f"init_cache dtype must be a floating-point dtype (the state is float32), got {dtype}")
     if len(input_shape) < 2:
       raise ValueError(f"input_shape must be [batch..., length, features], got {tuple(input_shape)}")
+    if not self.causal:
+      raise ValueError("init_cache: decoding needs causal=True (it is autoregressive)")
     batch = tuple(input_shape[:-2])
-    q = jnp.zeros(batch + (1, self.num_heads, self.head_dim), dtype)
-    state = core.favor_decode_init(q, q, self.projection[...], kernel=self.kernel)
-    self.cached_mu, self.cached_s = nnx.Cache(state.mu), nnx.Cache(state.s)
+    q = jnp.zeros(batch + (1, self.num_heads, self.qk_head_dim), dtype)
+    v = jnp.zeros(batch + (1, self.num_heads, self.head_dim), dtype)
+    state = core.favor_decode_init(q, v, self._projection(), kernel=self.kernel, **self._window())
+    self.decode_state = nnx.Cache(state)
 
   def clear_cache(self) -> None:
     """Drops the decode state (after which :meth:`redraw` is allowed)."""
-    self.cached_mu = self.cached_s = nnx.data(None)
+    self.decode_state = nnx.data(None)
+
+  def _window(self):
+    return {"window": self.window} if self.window else {}
 
   def __call__(self, inputs_q, inputs_k=None, inputs_v=None, *, mask=None, deterministic=None,
                rngs=None, sow_weights=False, decode=None):
@@ -115,19 +179,20 @@ class FavorAttention(nnx.MultiHeadAttention):
     layers.check_dropout(self.dropout_rate, deterministic)
     key_mask = layers.key_mask_from_flax(mask, key)
     rho = None
-    if self.rho is not None:
-      rho = self.rho[...]
+    if self.statistic is not None:
+      rho = self.statistic.get_value()
       if not deterministic:
-        self.rho[...] = layers.updated_rho(rho, query, key, key_mask, self.rho_momentum)
-    attend = dict(kernel=self.kernel, key_mask=key_mask, rho=rho, chunk_size=self.chunk_size)
-    projection = self.projection[...]
+        self.statistic.set_value(
+            layers.updated_statistic(self.kernel, rho, query, key, key_mask, self.rho_momentum))
+    attend = dict(kernel=self.kernel, key_mask=key_mask, rho=rho, chunk_size=self.chunk_size, **self._window())
+    projection = self._projection()
     with layers.precision_scope(self.precision):
       if self.decode if decode is None else decode:
-        if self.cached_s is None:
+        if self.decode_state is None:
           raise ValueError("decode=True needs the recurrent state: call init_cache(input_shape) first")
-        state = core.RecurrentState(self.cached_mu[...], self.cached_s[...])
-        state, x = core.favor_decode_step(state, query, key, value, projection, **attend)
-        self.cached_mu[...], self.cached_s[...] = state.mu, state.s
+        state, x = core.favor_decode_step(self.decode_state.get_value(), query, key, value, projection,
+                                          **attend)
+        self.decode_state.set_value(state)
       else:
-        x = core.favor_attention(query, key, value, projection, causal=self.causal, **attend)
+        x = layers.attend(query, key, value, projection, causal=self.causal, **attend)
     return self.out(x)

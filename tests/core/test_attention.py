@@ -38,8 +38,9 @@ def _explicit(qf, kf, v, causal=False, key_mask=None):
 
 
 def _extra(name, causal):
-  # FAVOR++ in causal mode must be given its statistic.
-  return {"rho": jnp.full((H,), 0.3)} if (name == "optimal_positive" and causal) else {}
+  # Data-dependent kernels (FAVOR++, FAVOR#) in causal mode must be given their statistic.
+  shapes = {"optimal_positive": (H,), "saderf": (H, D + 1)}
+  return {"rho": jnp.full(shapes[name], 0.3)} if (name in shapes and causal) else {}
 
 
 # --- exactness given features -------------------------------------------------------------

@@ -58,7 +58,8 @@ def explicit(name, q, k, v, proj, rho, mask, causal):
 
 
 def _rho(name, q, k, mask):
-  return core.oprf_rho(q, k, mask) if name == "optimal_positive" else None
+  kern = kernels.KERNELS[name]
+  return kern.compute_statistic(q, k, mask) if kern.data_dependent else None
 
 
 @functools.cache

@@ -197,7 +197,7 @@ def test_linen_decode_with_a_cache_of_other_sizes_is_refused(mismatch):
   else:
     cache = _decoder_variables(num_features=16)["cache"]
   for length in (1, 5):  # one token, and a prompt
-    with pytest.raises(ValueError, match=r"state \(mu, s\) has shapes"):
+    with pytest.raises(ValueError, match=r"state is a RecurrentState with shapes"):
       _linen_decoder().apply({**variables, "cache": cache}, _x(length=length), mutable=["cache"])
 
 
@@ -229,7 +229,7 @@ def test_nnx_decode_with_a_batch_1_cache_and_batch_2_inputs_is_refused():
   layer = _nnx_layer(_base_variables()["params"], _base_variables()["favor"]["projection"], decode=True)
   layer.init_cache((1, 1, F))
   for length in (1, 5):
-    with pytest.raises(ValueError, match=r"state \(mu, s\) has shapes"):
+    with pytest.raises(ValueError, match=r"state is a RecurrentState with shapes"):
       layer(_x(length=length))
 
 
