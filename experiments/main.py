@@ -10,6 +10,15 @@ DIR/summary.md and the study's *.png plots; training studies also write one
 subdirectory per run (metrics.jsonl, checkpoints/, loss.png) and resume from
 it when rerun. A --config.FIELD value applies to every variant of a sweep; one
 that a variant to run sets to another value stops the command, naming both.
+
+Several processes (``mesh.distributed=True``: a TPU slice, a SLURM job, or
+``experiments.local_cluster`` on one machine) each run this same command;
+``jax.distributed.initialize`` joins them, with the cluster taken from the
+``mesh.coordinator_address``, ``mesh.num_processes`` and ``mesh.process_id``
+fields where set and detected from the environment otherwise. Every process
+trains; process 0 alone writes config.json, results.json, summary.md, the
+study's plots and metrics.jsonl, while orbax has every process write its
+shards into the one checkpoint directory.
 """
 
 from __future__ import annotations
@@ -96,25 +105,50 @@ def run(config, workdir, overrides=None) -> list[dict]:
     raise ValueError(f"unknown experiment {config.experiment!r}; choose one of {sorted(STUDIES)}")
   config = resolve_quick(config, overrides)
   common.check_overrides(config, overrides)
+  cluster = cluster_arguments(config.mesh) if config.get("mesh") is not None else None
   workdir = common.check_workdir(workdir)
-  if config.get("mesh") is not None and config.mesh.distributed:
-    jax.distributed.initialize()  # multi-host: coordinator and process ids from the launcher's environment
+  if cluster is not None and config.mesh.distributed:
+    jax.distributed.initialize(**cluster)  # multi-host: the rest of the cluster from the environment
   study = importlib.import_module(STUDIES[config.experiment])
-  with open(os.path.join(workdir, "config.json"), "w") as f:
-    json.dump(dict(config=config.to_dict(), machine=machine()), f, indent=1, default=str)
+  writer = jax.process_index() == 0  # multi-host: every process runs the study, process 0 writes its files
+  if writer:
+    with open(os.path.join(workdir, "config.json"), "w") as f:
+      json.dump(dict(config=config.to_dict(), machine=machine()), f, indent=1, default=str)
   start = time.time()
   records = study.run(config, progress=lambda msg: print(f"[{time.time() - start:7.1f}s] {msg}", flush=True),
                       workdir=workdir)
-  with open(os.path.join(workdir, "results.json"), "w") as f:
-    json.dump(records, f, indent=1)
   summary = study.summarize(records, config)
   summary += f"\nMachine: {machine()}\n"
-  with open(os.path.join(workdir, "summary.md"), "w") as f:
-    f.write(summary)
-  for path in study.plot(records, config, workdir):
-    print("wrote", path)
+  if writer:
+    with open(os.path.join(workdir, "results.json"), "w") as f:
+      json.dump(records, f, indent=1)
+    with open(os.path.join(workdir, "summary.md"), "w") as f:
+      f.write(summary)
+    for path in study.plot(records, config, workdir):
+      print("wrote", path)
   print(summary)
   return records
+
+
+def cluster_arguments(mesh) -> dict:
+  """``jax.distributed.initialize``'s arguments from ``mesh``'s cluster fields, the set ones (the rest are
+  detected from the environment); a ValueError for a bad value, or one set without ``mesh.distributed``."""
+  address, count, index = (mesh.get(k) for k in ("coordinator_address", "num_processes", "process_id"))
+  given = {k: v for k, v in (("coordinator_address", address or None), ("num_processes", count or None),
+                             ("process_id", None if index in (None, -1) else index)) if v is not None}
+  if given and not mesh.distributed:
+    named = ", ".join(f"mesh.{k}={v!r}" for k, v in given.items())
+    raise ValueError(f"{named} describe a multi-process cluster, but mesh.distributed is False: "
+                     "set --config.mesh.distributed=True as well")
+  host, _, port = str(address or "").rpartition(":")
+  if address and not (isinstance(address, str) and host and port.isdigit() and 0 < int(port) < 65536):
+    raise ValueError(f"mesh.coordinator_address must be 'host:port' (e.g. '127.0.0.1:1234'), got {address!r}")
+  if count is not None and (type(count) is not int or count < 0):
+    raise ValueError(f"mesh.num_processes must be an int >= 1 (0 = auto-detect), got {count!r}")
+  if index is not None and (type(index) is not int or index < -1 or (count and index >= count)):
+    needs = f"in [0, mesh.num_processes={count})" if count else ">= 0"
+    raise ValueError(f"mesh.process_id must be an int {needs} (-1 = auto-detect), got {index!r}")
+  return given
 
 
 def main(argv):

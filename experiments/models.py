@@ -18,6 +18,7 @@ from jax import Array
 from jax.sharding import Mesh
 from jaxtyping import Float, Int
 
+from favor_jax import layers
 from favor_jax.layers import linen as favor_linen
 
 ATTENTION_TYPES = ("softmax", "favor")
@@ -31,6 +32,7 @@ class AttentionSpec(NamedTuple):
   num_features: int
   projection: str
   chunk_size: int
+  window: int = 0  # > 0: exact attention over the nearest `window` keys, the kernel beyond (hybrid)
   mesh: Mesh | None = None  # with sequence parallelism: the training mesh ...
   sequence_axis: str | None = None  # ... its axis splitting the sequence in FAVOR layers
   batch_axis: str | None = None  # ... and its axis splitting the batch
@@ -67,9 +69,12 @@ def attention_layer(attention, num_heads: int, causal: bool, positions: str, nam
   if attention.type == "softmax":
     return nn.MultiHeadDotProductAttention(
         num_heads=num_heads, attention_fn=_rotary_softmax if rope else nn.dot_product_attention, name=name)
+  # A kernel without a random projection (Taylor, Hedgehog's learned map) takes neither field.
+  random = layers.projection_role(attention.kernel) == "random"
   return favor_linen.FavorAttention(
-      num_heads=num_heads, num_features=attention.num_features, kernel=attention.kernel,
-      projection=attention.projection, causal=causal, chunk_size=attention.chunk_size,
+      num_heads=num_heads, num_features=attention.num_features if random else None, kernel=attention.kernel,
+      projection=attention.projection if random else None, causal=causal, chunk_size=attention.chunk_size,
+      window=attention.window,
       qk_transform=_rotary_qk if rope else None, mesh=attention.mesh, sequence_axis=attention.sequence_axis,
       batch_axis=attention.batch_axis, name=name)
 
@@ -139,5 +144,6 @@ def make_model(config, vocab_size: int, num_classes: int, max_len: int, mesh: Me
                      num_layers=m.num_layers, num_heads=m.num_heads, mlp_dim=m.mlp_dim,
                      positions=m.positions, attention=AttentionSpec(
                          type=a.type, kernel=a.kernel, num_features=a.num_features,
-                         projection=a.projection, chunk_size=a.chunk_size, mesh=mesh if parallel else None,
+                         projection=a.projection, chunk_size=a.chunk_size, window=a.window,
+                         mesh=mesh if parallel else None,
                          sequence_axis="sequence" if parallel else None, batch_axis="data" if parallel else None))

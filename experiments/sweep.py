@@ -11,6 +11,8 @@ from __future__ import annotations
 import copy
 import os
 
+import jax
+
 from experiments import plotting, training
 from experiments.configs import common
 
@@ -46,7 +48,8 @@ def run(config, progress, workdir) -> list[dict]:
     progress(f"run {i + 1}/{len(runs)}: {name}")
     records, _ = training.train(c, os.path.join(workdir, name), progress=lambda m, n=name: progress(f"{n} {m}"))
     results.append(final_record(name, c, records))
-    plotting.training_curves({name: records}, os.path.join(workdir, name, "loss.png"))
+    if jax.process_index() == 0:  # multi-host: process 0 writes the plots
+      plotting.training_curves({name: records}, os.path.join(workdir, name, "loss.png"))
   return results
 
 

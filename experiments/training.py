@@ -9,6 +9,7 @@ rerunning the same command after a kill writes the same ``metrics.jsonl``.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -78,6 +79,8 @@ def check_config(config) -> None:
   _check(a.projection in layers.PROJECTIONS,
          f"attention.projection must be one of {layers.PROJECTIONS}, got {a.projection!r}")
   tasks.positive_int("attention.num_features", a.num_features)
+  _check(isinstance(a.window, int) and not isinstance(a.window, bool) and a.window >= 0,
+         f"attention.window must be an int >= 0 (0: no exact window), got {a.window!r}")
   tasks.positive_int("attention.chunk_size", a.chunk_size)
   _check(a.type == "favor" or a.redraw_every == 0,
          f"attention.redraw_every={a.redraw_every} has no meaning for softmax attention")
@@ -95,10 +98,14 @@ def check_config(config) -> None:
 
 
 def make_mesh(m) -> Mesh:
-  """A ("data", "sequence") mesh over the first data·sequence devices; checked against what exists."""
+  """A ("data", "sequence") mesh over the first data·sequence devices (all of them under several processes);
+  checked against what exists."""
   needed = m.data * m.sequence
   if needed > jax.device_count():
     raise ValueError(f"mesh.data × mesh.sequence = {needed} devices, but only {jax.device_count()} exist")
+  if jax.process_count() > 1 and needed != jax.device_count():  # a process outside the mesh would idle
+    raise ValueError(f"mesh.data × mesh.sequence = {needed} devices, but {jax.process_count()} processes "
+                     f"need a mesh over all {jax.device_count()} devices (each process holds part of it)")
   devices = np.asarray(jax.devices()[:needed]).reshape(m.data, m.sequence)
   return Mesh(devices, ("data", "sequence"), axis_types=(AxisType.Auto, AxisType.Auto))
 
@@ -115,15 +122,29 @@ def state_shardings(state, mesh: Mesh, fsdp: bool):
           return NamedSharding(mesh, P(*([None] * axis + ["data"])))
     return NamedSharding(mesh, P())
 
-  return jax.tree.map(spec, state)
+  shardings = jax.tree.map(spec, state)
+  if isinstance(state, TrainState):  # the metric sums are read every log window: one copy on every device
+    shardings = shardings._replace(sums_3=NamedSharding(mesh, P()))
+  return shardings
 
 
-def put_batch(batch: tasks.Batch, mesh: Mesh) -> tasks.Batch:
-  """The global batch as arrays sharded over "data" (each process supplies the shards it holds)."""
-  def put(x):
-    sharding = NamedSharding(mesh, P("data"))
+def place(tree, shardings):
+  """``tree`` as global arrays laid out by ``shardings`` (a matching tree, or one sharding for every leaf):
+  every process holds the same values and places only the shards its devices hold. Not ``jax.device_put``:
+  with one device per process (jax 0.10.2) its replicated arrays report broken shards to orbax."""
+  def put(x, sharding):
+    x = np.asarray(x)
     return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
-  return tasks.Batch(*map(put, batch))
+
+  if isinstance(shardings, NamedSharding):
+    return jax.tree.map(lambda x: put(x, shardings), tree)
+  return jax.tree.map(put, tree, shardings)
+
+
+def put_batch(batch: tasks.Batch, mesh: Mesh, split: bool = True) -> tasks.Batch:
+  """The global batch as arrays split over "data" (else replicated); every process computes the same
+  batch (a pure function of its position) and places its shards."""
+  return place(batch, NamedSharding(mesh, P("data") if split else P()))
 
 
 def make_optimizer(t) -> optax.GradientTransformation:
@@ -146,10 +167,15 @@ def metric_sums(logits, batch) -> jax.Array:
   return jnp.stack([(ce * w).sum(), (correct * w).sum(), w.sum()])
 
 
+@functools.partial(jax.jit, static_argnums=0)  # one compilation per model (equal models hash equal)
+def _init_variables(model, key, tokens):
+  return model.init(key, tokens)  # eagerly, a FAVOR model's init dispatches op by op: several times slower
+
+
 def init_state(config, model, task, optimizer, params=None) -> TrainState:
   """A fresh state; ``params`` (e.g. a softmax model's) replace the initial ones when given."""
   init_key = jax.random.PRNGKey(config.train.seed)
-  variables = model.init(init_key, jnp.zeros((1, task.max_len), jnp.int32))
+  variables = _init_variables(model, init_key, jnp.zeros((1, task.max_len), jnp.int32))
   if params is not None:
     if jax.tree.structure(params) != jax.tree.structure(variables["params"]):
       raise ValueError("params do not match the model's parameter tree")
@@ -192,7 +218,7 @@ def make_eval(model, task, mesh: Mesh):
   data = mesh.shape["data"]
   # Placed once: the held-out set never changes. A batch the data axis does not divide (a short last
   # batch) runs replicated.
-  batches = [put_batch(b, mesh) if len(b.tokens) % data == 0 else b for b in task.eval_batches]
+  batches = [put_batch(b, mesh, len(b.tokens) % data == 0) for b in task.eval_batches]
 
   def evaluate(state: TrainState) -> dict:
     total = sum(np.asarray(eval_sums(state.params, state.favor, b), np.float64) for b in batches)
@@ -208,7 +234,7 @@ class MetricsLog:
   """``metrics.jsonl``: one JSON record per line; on resume, records after the restored step are dropped."""
 
   def __init__(self, path: str, keep_through: int):
-    self.path, self.records = path, []
+    self.path, self.records, self.writer = path, [], None
     if os.path.exists(path):
       with open(path) as f:
         for line in f:
@@ -218,13 +244,16 @@ class MetricsLog:
             continue
           if record["step"] <= keep_through:
             self.records.append(record)
-    with open(path, "w") as f:
+    if jax.process_index() != 0:  # multi-host: every process computes the metrics, process 0 writes them
+      return
+    with open(path + ".tmp", "w") as f:  # replaced whole: the other processes may be reading it
       f.writelines(json.dumps(r) + "\n" for r in self.records)
+    os.replace(path + ".tmp", path)
     self.writer = _tensorboard(os.path.dirname(path))
 
   def write(self, record: dict) -> None:
     self.records.append(record)
-    if jax.process_index() != 0:  # multi-host: every process computes the metrics, one writes them
+    if jax.process_index() != 0:
       return
     with open(self.path, "a") as f:
       f.write(json.dumps(record) + "\n")
@@ -294,7 +323,9 @@ def train(config, workdir: str, progress=print, init_params=None) -> tuple[list[
 
   On ``make_mesh(config.mesh)``: the batch is split over "data", the state is
   replicated (or FSDP-split over "data"), FAVOR layers split the sequence over
-  "sequence". A checkpoint restores onto any mesh (orbax reshards it).
+  "sequence". A checkpoint restores onto any mesh (orbax reshards it), under any number of processes:
+  several (``mesh.distributed``) run this together, over one mesh of all their devices; each process places
+  its shards of every batch, all write their shards of each checkpoint, and process 0 writes the metrics.
   """
   check_config(config)
   t = config.train
@@ -308,7 +339,7 @@ def train(config, workdir: str, progress=print, init_params=None) -> tuple[list[
   optimizer = make_optimizer(t)
   state = init_state(config, model, task, optimizer, init_params)
   shardings = state_shardings(state, mesh, config.mesh.fsdp)
-  state = jax.device_put(state, shardings)
+  state = place(state, shardings)
   checkpoints, state = open_checkpoints(os.path.join(workdir, "checkpoints"), state, progress)
   step, position = int(state.step), int(state.data_position)
   log = MetricsLog(os.path.join(workdir, "metrics.jsonl"), keep_through=step)
@@ -331,7 +362,7 @@ def train(config, workdir: str, progress=print, init_params=None) -> tuple[list[
     if step % t.log_every == 0 or step == t.steps:
       _raise_if_nonfinite(state)
       sums = np.asarray(state.sums_3, np.float64)
-      state = state._replace(sums_3=jax.device_put(jnp.zeros(3, jnp.float32), shardings.sums_3))
+      state = state._replace(sums_3=place(np.zeros(3, np.float32), shardings.sums_3))
       log.write(dict(kind="train", step=step, train_loss=sums[0] / sums[2], train_accuracy=sums[1] / sums[2],
                      lr=float(lr(step - 1)), **timing()))
       record = log.records[-1]  # ETA from this process's rate (a resumed run restarts the clock)

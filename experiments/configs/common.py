@@ -120,6 +120,7 @@ def training_config(name: str, task: str, quick: bool) -> ml_collections.ConfigD
   config.attention.projection = "orthogonal"  # "iid", "orthogonal" or "simplex"
   config.attention.redraw_every = 0  # draw a new projection every this many steps (0 = never)
   config.attention.chunk_size = 64  # causal FAVOR: tokens per chunk of the chunked prefix sum
+  config.attention.window = 0  # > 0: exact attention over the nearest `window` keys, the kernel beyond
 
   config.train = ml_collections.ConfigDict()
   config.train.seed = 0  # parameters, projection draws and the data stream
@@ -142,6 +143,11 @@ def training_config(name: str, task: str, quick: bool) -> ml_collections.ConfigD
   config.mesh.sequence = 1  # devices on the "sequence" axis: FAVOR layers split the sequence over them
   config.mesh.fsdp = False  # also split parameters and optimiser state over "data" (for large models)
   config.mesh.distributed = False  # call jax.distributed.initialize() first (multi-host launches)
+  # An explicit cluster (experiments.local_cluster sets them); unset, jax.distributed.initialize() detects
+  # the cluster from its environment (TPU VMs, SLURM, Open MPI, ...). Each needs mesh.distributed=True.
+  config.mesh.coordinator_address = ""  # "host:port" of process 0's coordinator ("" = auto-detect)
+  config.mesh.num_processes = 0  # processes in the cluster (0 = auto-detect)
+  config.mesh.process_id = -1  # this process's index in [0, mesh.num_processes) (-1 = auto-detect)
 
   # Sweep: (name, {dotted field: value}) per run, each in workdir/name; () = one run named "run".
   config.variants = ()
