@@ -77,7 +77,7 @@ def sequence_parallel_attention(
                      f"{query.shape} and key {key.shape}")
   kern, data_dependent = shared.resolve_kernel(kernel, projection, rho, query)
   if data_dependent and rho is None:
-    raise ValueError(f"kernel {kernel!r} needs an explicit rho {shared.statistic_shape(kern, query)} under "
+    raise ValueError(f"kernel {kernel!r} needs an explicit rho {kern.statistic_shape(query.shape)} under "
                      f"sequence parallelism (e.g. kernels.{kern.compute_statistic.__name__}(query, key) "
                      "computed by the caller, or a running one)")
   chunk_size = checks.check_chunk_size(chunk_size)

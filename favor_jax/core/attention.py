@@ -223,7 +223,7 @@ def favor_decode_init(
   shared.validate(query, query, value, None, True)
   window = checks.check_window(window)
   kern, data_dependent = shared.resolve_kernel(kernel, projection, None, query)
-  rho = jnp.zeros(shared.statistic_shape(kern, query)) if data_dependent else None
+  rho = jnp.zeros(kern.statistic_shape(query.shape)) if data_dependent else None
   feature_fn = shared.feature_fn_for(kern, projection, shared.flat_rho(rho, query, kern), True)
   batch = query.shape[:-3]
   q, v = shared.flatten(query, batch), shared.flatten(value, batch)
@@ -273,10 +273,7 @@ def favor_decode_step(
   shared.validate(query, key, value, key_mask, True)
   chunk_size = checks.check_chunk_size(chunk_size)
   window = checks.check_window(window)
-  kern, data_dependent = shared.resolve_kernel(kernel, projection, rho, query)
-  if data_dependent and rho is None:
-    raise kernels_lib.causal_statistic_error(kern, query)
-  feature_fn = shared.feature_fn_for(kern, projection, shared.flat_rho(rho, query, kern), True)
+  feature_fn = _feature_fn(kernel, projection, rho, query, key, key_mask, True)
   batch = query.shape[:-3]
   q, k, v = (shared.flatten(x, batch) for x in (query, key, value))
   empty = (lambda q, k, v: hybrid_lib.initial_state(feature_fn, q, v, window)) if window else (

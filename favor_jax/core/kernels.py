@@ -101,6 +101,12 @@ class Kernel:
   def data_dependent(self) -> bool:
     return self.statistic is not None
 
+  def statistic_shape(self, query_shape) -> tuple[int, ...]:
+    """The shape ``compute_statistic`` gives for queries and keys of ``query_shape`` [..., L, H, D]
+    ([..., H] for FAVOR++'s ρ, [..., H, D+1] for FAVOR#'s)."""
+    one = jax.ShapeDtypeStruct(tuple(query_shape[:-3]) + (1,) + tuple(query_shape[-2:]), jnp.float32)
+    return jax.eval_shape(self.compute_statistic, one, one).shape
+
   def __call__(self, query, key, projection=None, *, stabilize: bool = True, **statistic):
     fq, fk = self.log_features(query, key, projection, **statistic)
     return (materialise(fq, stabilize=stabilize, over_keys=False),
@@ -109,8 +115,7 @@ class Kernel:
 
 def causal_statistic_error(kernel: Kernel, query) -> ValueError:
   """The error for a data-dependent kernel used causally without its statistic."""
-  one = jax.ShapeDtypeStruct(query.shape[:-3] + (1,) + query.shape[-2:], jnp.float32)
-  need = jax.eval_shape(kernel.compute_statistic, one, one).shape
+  need = kernel.statistic_shape(query.shape)
   return ValueError(
       f"{kernel.name} takes its statistic {kernel.statistic} from the whole sequence, which in causal "
       f"attention would let future keys shape past outputs; pass {kernel.statistic}= (shape broadcastable "

@@ -222,21 +222,12 @@ def resolve_kernel(kernel, projection, rho, query):
   return kern, data_dependent
 
 
-def statistic_shape(kern, query) -> tuple[int, ...]:
-  """The shape of a data-dependent kernel's statistic for ``query``: what ``kern.compute_statistic``
-  returns ([..., H] for FAVOR++'s ρ, [..., H, D+1] for FAVOR#'s)."""
-  one = jax.ShapeDtypeStruct(query.shape[:-3] + (1,) + query.shape[-2:], jnp.float32)
-  return jax.eval_shape(kern.compute_statistic, one, one).shape
-
-
-def flat_rho(rho, query, kern=None):
-  """The statistic ``rho`` broadcast to :func:`statistic_shape` (without ``kern``: [..., H]) and
-  flattened to [N, H, ...] like the batch; None stays None."""
+def flat_rho(rho, query, kern):
+  """The statistic ``rho`` broadcast to ``kern.statistic_shape`` and flattened to [N, H, ...] like the
+  batch; None stays None."""
   if rho is None:
     return None
-  if kern is None:
-    return kernels_lib.broadcast_rho(rho, query).reshape((-1, query.shape[-2]))
-  shape = statistic_shape(kern, query)
+  shape = kern.statistic_shape(query.shape)
   rho = jnp.asarray(rho, jnp.float32)
   try:
     rho = jnp.broadcast_to(rho, shape)

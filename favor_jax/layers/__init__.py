@@ -56,11 +56,6 @@ def _check_optional_size(name, value) -> None:
     raise ValueError(f"{name} must be a positive int or None, got {value!r}")
 
 
-def check_window(window) -> None:
-  if isinstance(window, bool) or not isinstance(window, int) or window < 0:
-    raise ValueError(f"window must be an int >= 0 (0: no exact local window), got {window!r}")
-
-
 def check_favor_args(*, num_features, kernel, projection, causal, decode, window=0, per_head_projection=None,
                      qk_head_dim=None) -> None:
   """The checks every FavorAttention layer (Linen and NNX) makes of its FAVOR arguments."""
@@ -80,7 +75,7 @@ def check_favor_args(*, num_features, kernel, projection, causal, decode, window
     raise ValueError(f"per_head_projection must be None, True or False, got {per_head_projection!r}")
   if role == "none" and per_head_projection:
     raise ValueError(f"per_head_projection=True: kernel {kernel!r} uses no projection to make per head")
-  check_window(window)
+  core.checks.check_window(window)
   _check_optional_size("qk_head_dim", qk_head_dim)
   if decode and not causal:
     raise ValueError("decode=True needs causal=True: decoding is autoregressive")
@@ -191,9 +186,7 @@ def _statistic_of(kernel, query, key, key_mask):
 
 def initial_statistic(kernel, heads: int, qk_dim: int):
   """Zeros shaped like ``kernel``'s statistic of one sequence (FAVOR++'s ρ: [H]); zero ρ is FAVOR+."""
-  one = jax.ShapeDtypeStruct((1, 1, heads, qk_dim), jnp.float32)
-  shapes = jax.eval_shape(lambda q, k: _statistic_of(kernel, q, k, None), one, one)
-  return jax.tree.map(lambda s: jnp.zeros(s.shape[1:], jnp.float32), shapes)
+  return jnp.zeros(core.get_kernel(kernel).statistic_shape((1, 1, heads, qk_dim))[1:], jnp.float32)
 
 
 def updated_statistic(kernel, running, query, key, key_mask, momentum: float):
@@ -243,7 +236,7 @@ def make_attention_fn(
   unknown keywords with a non-default value raise instead of being ignored.
   """
   core.get_kernel(kernel)  # unknown names fail here, not at the first call
-  check_window(window)
+  core.checks.check_window(window)
 
   def attention_fn(query, key, value, bias=None, mask=None, broadcast_dropout=True, dropout_rng=None,
                    dropout_rate=0.0, deterministic=False, dtype=None, precision=None, module=None,

@@ -210,10 +210,10 @@ class FavorAttention(nn.MultiHeadDotProductAttention):
     return used
 
   def _decode(self, query, key, value, projection, attend):
-    window = {"window": self.window} if self.window else {}
     empty = lambda: core.favor_decode_init(query[..., :1, :, :], value[..., :1, :, :], projection,
-                                           kernel=self.kernel, **window)
-    fields = type(jax.eval_shape(empty))._fields
+                                           kernel=self.kernel, window=self.window)
+    state_type = type(jax.eval_shape(empty))  # RecurrentState, or HybridState with a window
+    fields = state_type._fields
     if not self.has_variable("cache", fields[0]):
       if not self.is_initializing():
         raise ValueError("decode=True needs the recurrent state: pass the 'cache' collection from "
@@ -221,10 +221,10 @@ class FavorAttention(nn.MultiHeadDotProductAttention):
       state = empty()
       for name in fields:
         self.variable("cache", name, lambda name=name: getattr(state, name))
-      return layers.attend(query, key, value, projection, causal=True, **window, **attend)
+      return layers.attend(query, key, value, projection, causal=True, window=self.window, **attend)
     cache = [self.variable("cache", name) for name in fields]
-    state = type(jax.eval_shape(empty))(*(c.value for c in cache))
-    state, x = core.favor_decode_step(state, query, key, value, projection, **window, **attend)
+    state = state_type(*(c.value for c in cache))
+    state, x = core.favor_decode_step(state, query, key, value, projection, window=self.window, **attend)
     for c, new in zip(cache, state):
       c.value = new
     return x

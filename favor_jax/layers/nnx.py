@@ -151,15 +151,12 @@ class FavorAttention(nnx.MultiHeadAttention):
     batch = tuple(input_shape[:-2])
     q = jnp.zeros(batch + (1, self.num_heads, self.qk_head_dim), dtype)
     v = jnp.zeros(batch + (1, self.num_heads, self.head_dim), dtype)
-    state = core.favor_decode_init(q, v, self._projection(), kernel=self.kernel, **self._window())
+    state = core.favor_decode_init(q, v, self._projection(), kernel=self.kernel, window=self.window)
     self.decode_state = nnx.Cache(state)
 
   def clear_cache(self) -> None:
     """Drops the decode state (after which :meth:`redraw` is allowed)."""
     self.decode_state = nnx.data(None)
-
-  def _window(self):
-    return {"window": self.window} if self.window else {}
 
   def __call__(self, inputs_q, inputs_k=None, inputs_v=None, *, mask=None, deterministic=None,
                rngs=None, sow_weights=False, decode=None):
@@ -184,7 +181,8 @@ class FavorAttention(nnx.MultiHeadAttention):
       if not deterministic:
         self.statistic.set_value(
             layers.updated_statistic(self.kernel, rho, query, key, key_mask, self.rho_momentum))
-    attend = dict(kernel=self.kernel, key_mask=key_mask, rho=rho, chunk_size=self.chunk_size, **self._window())
+    attend = dict(kernel=self.kernel, key_mask=key_mask, rho=rho, chunk_size=self.chunk_size,
+                  window=self.window)
     projection = self._projection()
     with layers.precision_scope(self.precision):
       if self.decode if decode is None else decode:
