@@ -43,6 +43,8 @@ flags.mark_flags_as_required(["config", "workdir"])
 # plot(records, config, workdir)
 STUDIES = {
     "approximation": "experiments.approximation",
+    "activations": "experiments.activations",
+    "tradeoff": "experiments.tradeoff",
     "speed": "experiments.speed",
     "peers": "experiments.peers",
     "train": "experiments.sweep",

@@ -10,15 +10,17 @@ the ``favor`` collection.
 from __future__ import annotations
 
 import functools
+import math
 from typing import NamedTuple
 
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
 from jax import Array
 from jax.sharding import Mesh
 from jaxtyping import Float, Int
 
-from favor_jax import layers
+from favor_jax import core, layers
 from favor_jax.layers import linen as favor_linen
 
 ATTENTION_TYPES = ("softmax", "favor")
@@ -33,6 +35,7 @@ class AttentionSpec(NamedTuple):
   projection: str
   chunk_size: int
   window: int = 0  # > 0: exact attention over the nearest `window` keys, the kernel beyond (hybrid)
+  qk_head_dim: int = 0  # query/key head dim (0 = d_model / num_heads, the value head dim)
   mesh: Mesh | None = None  # with sequence parallelism: the training mesh ...
   sequence_axis: str | None = None  # ... its axis splitting the sequence in FAVOR layers
   batch_axis: str | None = None  # ... and its axis splitting the batch
@@ -74,7 +77,7 @@ def attention_layer(attention, num_heads: int, causal: bool, positions: str, nam
   return favor_linen.FavorAttention(
       num_heads=num_heads, num_features=attention.num_features if random else None, kernel=attention.kernel,
       projection=attention.projection if random else None, causal=causal, chunk_size=attention.chunk_size,
-      window=attention.window,
+      window=attention.window, qk_head_dim=attention.qk_head_dim or None,
       qk_transform=_rotary_qk if rope else None, mesh=attention.mesh, sequence_axis=attention.sequence_axis,
       batch_axis=attention.batch_axis, name=name)
 
@@ -144,6 +147,31 @@ def make_model(config, vocab_size: int, num_classes: int, max_len: int, mesh: Me
                      num_layers=m.num_layers, num_heads=m.num_heads, mlp_dim=m.mlp_dim,
                      positions=m.positions, attention=AttentionSpec(
                          type=a.type, kernel=a.kernel, num_features=a.num_features,
-                         projection=a.projection, chunk_size=a.chunk_size, window=a.window,
+                         projection=a.projection, chunk_size=a.chunk_size, window=a.window, qk_head_dim=a.qk_head_dim,
                          mesh=mesh if parallel else None,
                          sequence_axis="sequence" if parallel else None, batch_axis="data" if parallel else None))
+
+
+def decode_state_size(config, seq_len: int) -> int:
+  """Numbers one attention layer keeps per sequence to decode the next token after ``seq_len`` tokens.
+
+  Softmax: its key-value cache, L·H·2·D (grows with L). FAVOR: the arrays of
+  ``core.favor_decode_init`` for the config's kernel, features and window (the
+  recurrent state F·(Dv+1) and running maximum F per head; with a window also
+  its W keys and values), read off their shapes, independent of L.
+  """
+  m, a = config.model, config.attention
+  heads, head_dim = m.num_heads, m.d_model // m.num_heads
+  if a.type == "softmax":
+    return seq_len * heads * 2 * head_dim
+  qk_dim = a.qk_head_dim or head_dim
+  random = layers.projection_role(a.kernel) == "random"
+
+  def empty_state():
+    projection = layers.layer_projection(
+        jax.random.PRNGKey(0), a.kernel, a.num_features if random else None, a.projection if random else None,
+        False, heads, qk_dim)
+    return core.favor_decode_init(jnp.zeros((1, 1, heads, qk_dim)), jnp.zeros((1, 1, heads, head_dim)),
+                                  projection, kernel=a.kernel, window=a.window)
+
+  return sum(math.prod(x.shape) for x in jax.tree.leaves(jax.eval_shape(empty_state)))

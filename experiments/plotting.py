@@ -103,3 +103,30 @@ def training_curves(curves: dict[str, list[dict]], path: str) -> str:
   else:
     legend_right(fig)
   return save(fig, path)
+
+
+def quality_vs_state(rows: list[dict], metric: str, label, path: str) -> str:
+  """The recall–memory frontier (Zoology, Based): ``metric`` against each run's decoding state size.
+
+  One point per row (``label(row)`` names it), one panel per number of key-value pairs (MQAR) or a single
+  panel; the state axis is log-scaled. Softmax's state is its key-value cache at the training length.
+  """
+  panels = sorted({r.get("num_kv_pairs", 0) for r in rows})
+  fig, axes = subplots(1, len(panels), figsize=(4.6 * len(panels), 3.8), squeeze=False)
+  names = sorted({label(r) for r in rows})
+  marker = dict(zip(names, itertools.cycle("osD^vP*Xph<>")))
+  style = dict(zip(names, styles(len(names))))
+  for ax, pairs in zip(axes[0], panels):
+    for r in (r for r in rows if r.get("num_kv_pairs", 0) == pairs):
+      name = label(r)
+      ax.scatter(r["state_size"], r[metric], marker=marker[name], color=style[name]["color"], s=40, label=name)
+    ax.set_xscale("log", base=2)
+    ax.set(xlabel="decoding state per layer (numbers)", ylabel=metric.replace("_", " "),
+           title=f"{pairs} key-value pairs" if pairs else None)
+    ax.grid(alpha=0.3)
+  handles = {}
+  for ax in axes[0]:
+    for h, n in zip(*ax.get_legend_handles_labels()):
+      handles.setdefault(n, h)
+  legend_right(fig, list(handles.values()), list(handles))
+  return save(fig, path)

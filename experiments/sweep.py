@@ -13,8 +13,9 @@ import os
 
 import jax
 
-from experiments import plotting, training
+from experiments import models, plotting, training
 from experiments.configs import common
+from favor_jax import core, layers
 
 
 def variant_configs(config) -> list[tuple[str, object]]:
@@ -27,15 +28,31 @@ def variant_configs(config) -> list[tuple[str, object]]:
   return out
 
 
+def features(config) -> int:
+  """F, the feature dimension of the config's FAVOR layers (0 for softmax): M for FAVOR+, 2M for
+  hyperbolic, 1 + d + d(d+1)/2 for Taylor, 2·D for Hedgehog (its map is [D, D])."""
+  a = config.attention
+  if a.type != "favor":
+    return 0
+  qk_dim = a.qk_head_dim or config.model.d_model // config.model.num_heads
+  role = layers.projection_role(a.kernel)
+  rows = a.num_features if role == "random" else qk_dim if role == "learned" else None
+  return core.kernels.num_features(a.kernel, rows, qk_dim)
+
+
 def final_record(name: str, config, records: list[dict]) -> dict:
   evals = [r for r in records if r["kind"] == "eval"]
   trains = [r for r in records if r["kind"] == "train"]
   a = config.attention
   favor = a.type == "favor"
+  random = favor and layers.projection_role(a.kernel) == "random"
   return dict(
       name=name, task=config.task, attention=a.type, kernel=a.kernel if favor else "",
-      num_features=a.num_features if favor else 0, projection=a.projection if favor else "",
-      redraw_every=a.redraw_every, steps=config.train.steps, seed=config.train.seed,
+      num_features=a.num_features if random else 0, projection=a.projection if random else "",
+      redraw_every=a.redraw_every, window=a.window if favor else 0, qk_head_dim=a.qk_head_dim,
+      features=features(config), state_size=models.decode_state_size(config, config.data.seq_len),
+      seq_len=config.data.seq_len, num_kv_pairs=config.data.get("num_kv_pairs", 0),
+      steps=config.train.steps, seed=config.train.seed,
       train_loss=trains[-1]["train_loss"], **{k: v for k, v in evals[-1].items() if k.startswith("eval_")},
       best_eval_accuracy=max(r["eval_accuracy"] for r in evals),
       steps_per_s=trains[-1].get("steps_per_s", float("nan")))
@@ -57,25 +74,69 @@ def _main_metric(records):
   return "eval_bpc" if "eval_bpc" in records[0] else "eval_accuracy"
 
 
+# Fields that make runs the same setting (all but the seed): mean_over_seeds groups on them.
+SETTING = ("task", "attention", "kernel", "num_features", "projection", "redraw_every", "window", "qk_head_dim",
+           "seq_len", "num_kv_pairs", "steps")
+
+
+def mean_over_seeds(records: list[dict], metric: str) -> list[dict]:
+  """One row per setting (``SETTING``): the first run's name and fields, ``metric`` and best accuracy averaged
+  over its seeds, ``seeds`` the seeds, ``spread`` max − min of ``metric``."""
+  groups: dict[tuple, list[dict]] = {}
+  for r in records:
+    groups.setdefault(tuple(r.get(f) for f in SETTING), []).append(r)
+  rows = []
+  for runs in groups.values():
+    values = [r[metric] for r in runs]
+    rows.append({**runs[0], metric: sum(values) / len(values), "seeds": [r["seed"] for r in runs],
+                 "spread": max(values) - min(values),
+                 "best_eval_accuracy": sum(r["best_eval_accuracy"] for r in runs) / len(runs)})
+  return rows
+
+
+def _setting(r) -> str:
+  """What a run's attention is, in words: "softmax", "taylor d=16 + window 16", "positive M=64"."""
+  if r["attention"] == "softmax":
+    return "softmax"
+  parts = [r["kernel"]]
+  if r["num_features"]:
+    parts.append(f"M={r['num_features']}")
+  if r["qk_head_dim"]:
+    parts.append(f"d={r['qk_head_dim']}")
+  if r["redraw_every"]:
+    parts.append(f"redraw {r['redraw_every']}")
+  return " ".join(parts) + (f" + window {r['window']}" if r["window"] else "")
+
+
 def summarize(records: list[dict], config) -> str:
   metric = _main_metric(records)
   lines = [f"# Training: {config.task}\n",
-           f"| run | attention | kernel | M | projection | redraw every | steps | eval loss | {metric} "
-           "| best eval acc | steps/s |", "|" + "---|" * 11]
+           "F: feature dimension per head; state: numbers per layer and sequence kept to decode the next token "
+           "(softmax: its key-value cache at the training length L).\n",
+           f"| run | attention | F | L | kv pairs | seed | steps | eval loss | {metric} | best eval acc | state "
+           "| steps/s |", "|" + "---|" * 12]
   for r in records:
-    lines.append(f"| {r['name']} | {r['attention']} | {r['kernel']} | {r['num_features'] or ''} | "
-                 f"{r['projection']} | {r['redraw_every'] or 'never'} | {r['steps']} | {r['eval_loss']:.4f} | "
-                 f"{r[metric]:.4f} | {r['best_eval_accuracy']:.4f} | {r['steps_per_s']:.2f} |")
-  softmax = [r for r in records if r["attention"] == "softmax"]
-  if softmax:
-    base = softmax[0][metric]
-    lines += ["", f"Relative to softmax ({softmax[0]['name']}): {metric} ratio FAVOR / softmax"]
-    lines += [f"- {r['name']}: {r[metric] / base:.3f}" for r in records if r["attention"] == "favor"]
+    lines.append(f"| {r['name']} | {_setting(r)} | {r['features'] or ''} | {r['seq_len']} | "
+                 f"{r['num_kv_pairs'] or ''} | {r['seed']} | {r['steps']} | {r['eval_loss']:.4f} | "
+                 f"{r[metric]:.4f} | {r['best_eval_accuracy']:.4f} | {r['state_size']} | {r['steps_per_s']:.2f} |")
+  settings = mean_over_seeds(records, metric)
+  if len(settings) < len(records):
+    lines += ["", f"## Mean over seeds ({metric}; spread = max − min)", "",
+              f"| run | attention | kv pairs | seeds | {metric} | spread | best eval acc |", "|" + "---|" * 7]
+    lines += [f"| {r['name']} | {_setting(r)} | {r['num_kv_pairs'] or ''} | {len(r['seeds'])} | {r[metric]:.4f} "
+              f"| {r['spread']:.4f} | {r['best_eval_accuracy']:.4f} |" for r in settings]
+  softmax = [r for r in settings if r["attention"] == "softmax"]
+  for base in softmax:
+    others = [r for r in settings if r["attention"] == "favor" and r["num_kv_pairs"] == base["num_kv_pairs"]
+              and r["seq_len"] == base["seq_len"]]
+    if others:
+      pairs = f", {base['num_kv_pairs']} kv pairs" if base["num_kv_pairs"] else ""
+      lines += ["", f"Relative to softmax ({base['name']}{pairs}, mean over seeds): {metric} ratio run / softmax"]
+      lines += [f"- {r['name']}: {r[metric] / base[metric]:.3f}" for r in others]
   pairs = [(r, s) for r in records for s in records if r["redraw_every"] and not s["redraw_every"]
-           and (r["kernel"], r["num_features"], r["projection"], r["seed"]) ==
-           (s["kernel"], s["num_features"], s["projection"], s["seed"])]
+           and all(r[f] == s[f] for f in SETTING if f != "redraw_every") and r["seed"] == s["seed"]]
   if pairs:
-    lines += ["", "## Feature redraw (same kernel, M, projection, seed)", "",
+    lines += ["", "## Feature redraw (same setting and seed)", "",
               f"| kernel | M | redraw every | {metric} with redraw | without | best acc with | without |",
               "|" + "---|" * 7]
     lines += [f"| {r['kernel']} | {r['num_features']} | {r['redraw_every']} | {r[metric]:.4f} | {s[metric]:.4f} | "
@@ -89,4 +150,8 @@ def plot(records: list[dict], config, workdir: str) -> list[str]:
   for r in records:
     with open(os.path.join(workdir, r["name"], "metrics.jsonl")) as f:
       curves[r["name"]] = [json.loads(line) for line in f]
-  return [plotting.training_curves(curves, os.path.join(workdir, "curves.png"))]
+  paths = [plotting.training_curves(curves, os.path.join(workdir, "curves.png"))]
+  metric = _main_metric(records)
+  paths.append(plotting.quality_vs_state(mean_over_seeds(records, metric), metric, _setting,
+                                         os.path.join(workdir, "state.png")))
+  return paths

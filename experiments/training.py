@@ -82,6 +82,12 @@ def check_config(config) -> None:
   _check(isinstance(a.window, int) and not isinstance(a.window, bool) and a.window >= 0,
          f"attention.window must be an int >= 0 (0: no exact window), got {a.window!r}")
   tasks.positive_int("attention.chunk_size", a.chunk_size)
+  _check(isinstance(a.qk_head_dim, int) and not isinstance(a.qk_head_dim, bool) and a.qk_head_dim >= 0,
+         f"attention.qk_head_dim must be an int >= 0 (0: the model's head dim), got {a.qk_head_dim!r}")
+  _check(a.type == "favor" or a.qk_head_dim == 0,
+         f"attention.qk_head_dim={a.qk_head_dim} is for FAVOR layers; softmax attention uses the model's head dim")
+  _check(m.positions != "rotary" or a.qk_head_dim % 2 == 0,
+         f"rotary positions need an even attention.qk_head_dim, got {a.qk_head_dim}")
   _check(a.type == "favor" or a.redraw_every == 0,
          f"attention.redraw_every={a.redraw_every} has no meaning for softmax attention")
   mesh = config.mesh

@@ -121,6 +121,7 @@ def training_config(name: str, task: str, quick: bool) -> ml_collections.ConfigD
   config.attention.redraw_every = 0  # draw a new projection every this many steps (0 = never)
   config.attention.chunk_size = 64  # causal FAVOR: tokens per chunk of the chunked prefix sum
   config.attention.window = 0  # > 0: exact attention over the nearest `window` keys, the kernel beyond
+  config.attention.qk_head_dim = 0  # FAVOR: query/key head dim (0 = the model's; Based: 16 with taylor)
 
   config.train = ml_collections.ConfigDict()
   config.train.seed = 0  # parameters, projection draws and the data stream

@@ -30,10 +30,18 @@ def get_config(arg=None):
   config.train.eval_every = 500  # steps between evaluations
   config.train.checkpoint_every = 500  # steps between checkpoints
   config.attention.num_features = 128  # M
-  favor = lambda kernel: {"attention.type": "favor", "attention.kernel": kernel}
+  favor = lambda kernel, **fields: {"attention.type": "favor", "attention.kernel": kernel,
+                                    **{f"attention.{k}": v for k, v in fields.items()}}
+  window = 64 if not quick else 16  # hybrids' exact window: L/8
   config.variants = (("softmax", {}), ("favor_positive", favor("positive")),
                      ("favor_positive_redraw", {**favor("positive"), "attention.redraw_every": 100}),
-                     ("favor_hyperbolic", favor("hyperbolic")), ("favor_relu", favor("relu")))
+                     ("favor_hyperbolic", favor("hyperbolic")), ("favor_relu", favor("relu")),
+                     # Beyond FAVOR+: Taylor on q, k of dim 16 (153 features; Based), alone and with an exact
+                     # window; FAVOR+ with the window; Hedgehog (learned, 2·head dim features); FAVOR# (saderf).
+                     ("taylor_d16", favor("taylor", qk_head_dim=16)),
+                     ("taylor_d16_window", favor("taylor", qk_head_dim=16, window=window)),
+                     ("favor_positive_window", favor("positive", window=window)),
+                     ("hedgehog", favor("hedgehog")), ("favor_sharp", favor("saderf")))
   if quick:
     config.data.update(seq_len=128, num_eval_batches=8)
     config.model.update(d_model=128, num_layers=2, num_heads=4, mlp_dim=256)

@@ -356,4 +356,4 @@ def test_quickstart_quick_version_runs_on_the_excerpt(tmp_path):
   records = main.run(config, str(tmp_path), overrides)
   assert [r["name"] for r in records] == ["softmax", "favor_positive"]
   assert all(np.isfinite(r["eval_bpc"]) and r["eval_bpc"] < 8 for r in records)  # learnt in 20 steps
-  assert "eval_bpc ratio FAVOR / softmax" in open(tmp_path / "summary.md").read()
+  assert "eval_bpc ratio run / softmax" in open(tmp_path / "summary.md").read()

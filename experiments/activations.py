@@ -1,0 +1,221 @@
+"""Approximation on real activations: every estimator against exact attention on a trained model's q, k, v.
+
+The model is the Shakespeare character LM with softmax attention (the config's
+``model`` fields), trained in ``workdir/model`` by ``experiments.training`` or
+resumed from there (``config.model_dir`` points elsewhere). Its queries, keys
+and values are captured from its own forward pass (Flax
+``capture_intermediates`` on each attention layer's query/key/value
+projections; rotary positions applied with ``models.rotary``, as the softmax
+layer does), on held-out plays: the first ``fit_batches`` evaluation batches fit
+what an estimator learns or estimates from data (Hedgehog's and Taylor's maps by
+``layers.distillation_loss``, FAVOR++'s and FAVOR#'s statistics), the next
+``measure_batches`` measure. F is the actual feature dimension per head, so
+estimators with different feature maps are compared at equal state size.
+
+Shapes: B batch, L length, H heads, D head dim, F features, R fitted rows.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from experiments import models, plotting, tasks, training
+from favor_jax import core, layers
+
+
+def model_config(config):
+  """The training config of the captured model: the config's ``model`` block, softmax attention, no variants."""
+  source = copy.deepcopy(config.model)
+  source.attention.type = "softmax"
+  source.variants = ()
+  source.only = ""
+  return source
+
+
+def trained_params(config, workdir, progress):
+  """The softmax model's parameters: trains it in ``config.model_dir`` (default ``workdir/model``) or resumes
+  the finished run there."""
+  run_dir = config.model_dir or os.path.join(workdir, "model")
+  progress(f"the softmax model in {run_dir} (trained there if not finished)")
+  records, state = training.train(model_config(config), run_dir, progress=progress)
+  evals = [r for r in records if r["kind"] == "eval"]
+  return jax.device_get(state.params), evals[-1]
+
+
+def capture(config, params, batches):
+  """Per layer, (q, k, v) [B, L, H, D] of the model on ``batches`` (concatenated), rotary applied to q, k."""
+  source = model_config(config)
+  task = tasks.make_task(source)
+  model = models.make_model(source, task.vocab_size, task.num_classes, task.max_len)
+  names = ("query", "key", "value")
+  tokens = np.concatenate([b.tokens for b in batches])
+  _, captured = jax.jit(lambda p, t: model.apply(
+      {"params": p}, t, capture_intermediates=lambda module, method: module.name in names,
+      mutable=["intermediates"]))(params, tokens)
+  out = []
+  for i in range(source.model.num_layers):
+    got = captured["intermediates"][f"block_{i}"]["attention"]
+    q, k, v = (got[n]["__call__"][0] for n in names)
+    if source.model.positions == "rotary":
+      q, k = models.rotary(q), models.rotary(k)
+    out.append((q, k, v))
+  return out
+
+
+def fitted_rows(kernel: str, features: int) -> int:
+  """R, the rows of a fitted map giving at most ``features`` features: Hedgehog 2R ≤ F, Taylor 1 + R + R(R+1)/2 ≤ F."""
+  if kernel == "hedgehog":
+    return features // 2
+  rows = 1
+  while core.kernels.num_features(kernel, rows + 1, rows + 1) <= features:
+    rows += 1
+  return rows
+
+
+def fit_map(kernel, rows, q_fit, k_fit, steps, lr, key):
+  """A per-head map [H, R, D] for ``kernel`` fitted by distillation on the fitting batches (Adam, ``steps``)."""
+  heads, dim = q_fit.shape[-2:]
+  draw = core.draw_projection(key, "orthogonal", rows, dim)
+  init = draw / jnp.linalg.norm(draw, axis=-1, keepdims=True)  # unit rows: the identity's scale
+  map_HRD = jnp.broadcast_to(init, (heads, rows, dim))
+  optimizer = optax.adam(lr)
+  loss = lambda w: layers.distillation_loss(q_fit, k_fit, w, kernel=kernel, causal=True)
+
+  @jax.jit
+  def step(w, opt_state):
+    grads = jax.grad(loss)(w)
+    updates, opt_state = optimizer.update(grads, opt_state)
+    return optax.apply_updates(w, updates), opt_state
+
+  opt_state = optimizer.init(map_HRD)
+  for _ in range(steps):
+    map_HRD, opt_state = step(map_HRD, opt_state)
+  return map_HRD, float(loss(map_HRD))
+
+
+def errors(q, k, v, projection, kernel, rho, window):
+  """(relative output error, mean KL(softmax ‖ estimator) per row) of one estimator on one layer."""
+  exact = core.softmax_attention(q, k, v, causal=True)
+  if window:
+    out = core.hybrid_attention(q, k, v, projection, window=window, kernel=kernel, causal=True, rho=rho)
+  else:
+    out = core.favor_attention(q, k, v, projection, kernel=kernel, causal=True, rho=rho)
+  target = core.attention_weights(q, k, kernel="softmax", causal=True)
+  approx = core.attention_weights(q, k, projection, kernel=kernel, causal=True, window=window, rho=rho)
+  seen = target > 0
+  kl = jnp.sum(jnp.where(seen, target * (jnp.log(jnp.where(seen, target, 1.0))
+                                         - jnp.log(jnp.maximum(approx, 1e-30))), 0.0), axis=-1)
+  return float(jnp.linalg.norm(out - exact) / jnp.linalg.norm(exact)), float(jnp.mean(kl))
+
+
+# (name, kernel, window, how its map is made): "random" draws, "fitted" distillation.
+ESTIMATORS = (("favor+", "positive", 0, "random"), ("hyperbolic", "hyperbolic", 0, "random"),
+              ("favor++", "optimal_positive", 0, "random"), ("favor#", "saderf", 0, "random"),
+              ("favor+ + window 16", "positive", 16, "random"),
+              ("taylor (fitted)", "taylor", 0, "fitted"), ("hedgehog (fitted)", "hedgehog", 0, "fitted"))
+
+
+def run(config, progress=print, workdir=None):
+  params, model_eval = trained_params(config, workdir, progress)
+  source = model_config(config)
+  batches = tasks.make_task(source).eval_batches
+  need = config.fit_batches + config.measure_batches
+  if need > len(batches):
+    raise ValueError(f"fit_batches + measure_batches = {need}, but the model's held-out set has {len(batches)} "
+                     "batches (model.data.num_eval_batches)")
+  fit = capture(config, params, batches[:config.fit_batches])
+  measure = capture(config, params, batches[config.fit_batches:need])
+  estimators = [e for e in ESTIMATORS if e[0] in config.estimators]
+  records = []
+  for layer, ((q_fit, k_fit, _), (q, k, v)) in enumerate(zip(fit, measure)):
+    dim = q.shape[-1]
+    for name, kernel, window, how in estimators:
+      kern = core.get_kernel(kernel)
+      rho = None
+      if kern.compute_statistic is not None:  # fitted on the fitting batches, as a layer's running value
+        rho = jnp.mean(kern.compute_statistic(q_fit, k_fit), axis=0)
+      for features in config.features:
+        key = jax.random.PRNGKey(config.seed * 1000 + features)
+        fit_loss = float("nan")
+        if how == "fitted":
+          rows = fitted_rows(kernel, features)
+          projections = [fit_map(kernel, rows, q_fit, k_fit, config.fit_steps, config.fit_lr, key)]
+          fit_loss = projections[0][1]
+          projections = [projections[0][0]]
+        else:
+          rows = features // (kern.num_features(1, dim))  # M with F = num_features(M): M or F/2
+          projections = [core.draw_projection(k_, "orthogonal", rows, dim)
+                         for k_ in jax.random.split(key, config.num_draws)]
+        errs = [errors(q, k, v, w, kernel, rho, window) for w in projections]
+        rel, kl = (float(np.mean(x)) for x in zip(*errs))
+        records.append(dict(layer=layer, estimator=name, kernel=kernel, window=window, rows=rows,
+                            features=core.kernels.num_features(kernel, rows, dim), target_features=features,
+                            rel_error=rel, kl=kl, draws=len(projections), fit_loss=fit_loss,
+                            model_eval_bpc=model_eval.get("eval_bpc", float("nan"))))
+        progress(f"layer {layer} {name:>18} F={records[-1]['features']:<4} rel {rel:.4f} KL {kl:.4f}")
+  return records
+
+
+def _mean_over_layers(records):
+  table: dict[tuple, list[dict]] = {}
+  for r in records:
+    table.setdefault((r["estimator"], r["target_features"]), []).append(r)
+  return {key: dict(rs[0], rel_error=float(np.mean([r["rel_error"] for r in rs])),
+                    kl=float(np.mean([r["kl"] for r in rs])), features=max(r["features"] for r in rs))
+          for key, rs in table.items()}
+
+
+def summarize(records, config) -> str:
+  table = _mean_over_layers(records)
+  names = list(dict.fromkeys(r["estimator"] for r in records))
+  bpc = records[0]["model_eval_bpc"]
+  lines = ["# Approximation on real activations", "",
+           f"Queries, keys and values of every layer and head of the trained Shakespeare softmax model "
+           f"({config.model.model.num_layers} layers × {config.model.model.num_heads} heads, its eval "
+           f"{bpc:.3f} bits/char), captured on {config.measure_batches} held-out batches; maps and statistics "
+           f"fitted on {config.fit_batches} other held-out batches. Causal attention. Relative error "
+           "‖out − exact‖/‖exact‖ and mean KL(softmax ‖ estimator) per query row, mean over layers (random "
+           f"maps: also over {config.num_draws} orthogonal draws). F: actual features per head.", ""]
+  for metric, label in (("rel_error", "relative output error"), ("kl", "attention-weight KL")):
+    lines += [f"## {label}", "", "| estimator | " + " | ".join(f"F≤{f}" for f in config.features)
+              + " | vs FAVOR+ at each F |", "|---|" + "---|" * (len(config.features) + 1)]
+    for name in names:
+      cells = [table[name, f] for f in config.features]
+      ratio = " / ".join(f"{c[metric] / table['favor+', f][metric]:.2f}" for c, f in zip(cells, config.features)
+                         if ("favor+", f) in table)
+      lines.append(f"| {name} | " + " | ".join(f"{c[metric]:.4f} (F={c['features']})" for c in cells)
+                   + f" | {ratio} |")
+    lines.append("")
+  if "favor+" in names:
+    best = min((table[n, f][metric] / table["favor+", f][metric], n, f)
+               for n in names for f in config.features if n != "favor+" for metric in ("rel_error",))
+    lines.append(f"Best relative output error against FAVOR+ at the same F: {best[1]} at F≤{best[2]}, "
+                 f"{best[0]:.2f}× FAVOR+'s (goal ≤ 0.33).")
+  return "\n".join(lines) + "\n"
+
+
+def plot(records, config, workdir):
+  table = _mean_over_layers(records)
+  names = list(dict.fromkeys(r["estimator"] for r in records))
+  fig, axes = plotting.subplots(1, 2, figsize=(10, 3.8))
+  for name, style in zip(names, plotting.styles(len(names))):
+    points = sorted((table[name, f]["features"], table[name, f]["rel_error"], table[name, f]["kl"])
+                    for f in config.features)
+    f, rel, kl = zip(*points)
+    axes[0].plot(f, rel, marker="o", label=name, **style)
+    axes[1].plot(f, kl, marker="o", label=name, **style)
+  for ax, label in zip(axes, ("relative output error", "KL(softmax ‖ estimator) per row")):
+    ax.set(xlabel="F (features per head)", ylabel=label)
+    plotting.log2_ticks(ax, config.features)
+    plotting.plain_log(ax)
+    ax.grid(alpha=0.3)
+  plotting.legend_right(fig)
+  fig.suptitle("trained Shakespeare softmax model's q, k, v (held-out plays), causal, mean over layers")
+  return [plotting.save(fig, os.path.join(workdir, "error_vs_features.png"))]
+

@@ -1,0 +1,27 @@
+"""Quality against training speed for every estimator, from the committed MQAR and Shakespeare studies.
+
+    python -m experiments.main --config=experiments/configs/tradeoff.py --workdir=experiments/results/tradeoff_cpu
+
+Times each run's train step alone on this machine (run it on a quiet one); the quality numbers are read
+from the studies' results directories.
+"""
+
+import ml_collections
+
+from experiments.configs import common
+
+
+def get_config(arg=None):
+  """The figure; ``arg="quick"``: fewer timed steps."""
+  quick = common.is_quick(arg)
+  config = ml_collections.ConfigDict()
+  config.experiment = "tradeoff"  # which study experiments.main runs
+  config.quick = quick  # True: the quick version (FILE.py:quick); set on the full one, asks for it
+  # (study, results directory of a training study: its config.json and results.json).
+  config.studies = (("mqar", "experiments/results/mqar_estimators_cpu"),
+                    ("shakespeare", "experiments/results/shakespeare_estimators_cpu"))
+  config.timing_steps = 10  # train steps per timed block
+  config.timing_repeats = 3  # timed blocks (median)
+  if quick:
+    config.timing_steps, config.timing_repeats = 3, 1
+  return config

@@ -1,0 +1,174 @@
+"""The quality study's pieces: decoding state sizes, feature counts, seed means, query/key head dim in
+configs, and the real-activation capture and measurements (against the model's own outputs and exact
+attention)."""
+
+import os
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from experiments import activations, main, models, sweep, tasks, training
+from experiments.configs import activations as activations_config
+from experiments.configs import common
+from experiments.configs import tiny as tiny_config
+from favor_jax import core
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+EXCERPT = os.path.join(REPO, "tests", "data", "shakespeare")
+
+
+def tiny(**fields):
+  return common.set_fields(tiny_config.get_config(), fields)  # d_model 32, 2 heads: head dim 16
+
+
+def favor(kernel, **fields):
+  return tiny(**{"attention.type": "favor", "attention.kernel": kernel,
+                 **{f"attention.{k}": v for k, v in fields.items()}})
+
+
+H, D, L = 2, 16, 32  # the tiny config's heads, head dim and length
+
+
+@pytest.mark.parametrize("config, want", [
+    (tiny(), L * H * 2 * D),  # softmax: the key-value cache at length L
+    (favor("positive", num_features=16), H * 16 * (D + 1) + H * 16),  # S [H, F, Dv+1] and μ [H, F]
+    (favor("hyperbolic", num_features=16), H * 32 * (D + 1) + H * 32),  # F = 2M
+    (favor("positive", num_features=16, window=5), H * 16 * (D + 1) + H * 16 + 5 * H * 2 * D + 5 + 1),
+    (favor("taylor", qk_head_dim=4), H * 15 * (D + 1) + H),  # F = 1 + 4 + 10; one maximum per head
+])
+def test_decode_state_size_closed_forms(config, want):
+  assert models.decode_state_size(config, L) == want
+
+
+@pytest.mark.parametrize("config, want", [
+    (tiny(), 0), (favor("positive", num_features=16), 16), (favor("hyperbolic", num_features=16), 32),
+    (favor("taylor", qk_head_dim=4), 15), (favor("taylor"), 1 + D + D * (D + 1) // 2), (favor("hedgehog"), 2 * D),
+    (favor("saderf", num_features=24), 24)])
+def test_feature_dimension_per_head(config, want):
+  assert sweep.features(config) == want
+
+
+def test_qk_head_dim_reaches_the_layers_and_bad_values_stop():
+  config = favor("taylor", qk_head_dim=4)
+  training.check_config(config)
+  model = models.make_model(config, 64, 0, L)
+  params = jax.eval_shape(model.init, jax.random.PRNGKey(0), jnp.zeros((1, L), jnp.int32))["params"]
+  attention = params["block_0"]["attention"]
+  assert attention["query"]["kernel"].shape == attention["key"]["kernel"].shape == (32, H, 4)
+  assert attention["value"]["kernel"].shape == (32, H, D)
+  for bad, match in ((tiny(**{"attention.qk_head_dim": 4}), "for FAVOR layers"),
+                     (favor("taylor", qk_head_dim=3), "even attention.qk_head_dim"),
+                     (favor("taylor", qk_head_dim=-1), "int >= 0"), (favor("taylor", qk_head_dim=True), "int >= 0")):
+    with pytest.raises(ValueError, match=match):
+      training.check_config(bad)
+
+
+def _record(name, seed, accuracy, **setting):
+  base = dict(name=name, task="mqar", attention="favor", kernel="positive", num_features=64, projection="orthogonal",
+              redraw_every=0, window=0, qk_head_dim=0, seq_len=128, num_kv_pairs=8, steps=10, features=64,
+              state_size=100, seed=seed, eval_loss=1.0, eval_accuracy=accuracy, best_eval_accuracy=accuracy,
+              steps_per_s=1.0)
+  return {**base, **setting}
+
+
+def test_mean_over_seeds_groups_settings_not_names():
+  records = [_record("a", 0, 0.5), _record("a_s1", 1, 0.7), _record("b", 0, 0.9, window=16),
+             _record("c", 0, 0.2, num_kv_pairs=16), _record("softmax", 0, 1.0, attention="softmax", kernel="")]
+  rows = {r["name"]: r for r in sweep.mean_over_seeds(records, "eval_accuracy")}
+  assert set(rows) == {"a", "b", "c", "softmax"}
+  assert rows["a"]["eval_accuracy"] == pytest.approx(0.6) and rows["a"]["seeds"] == [0, 1]
+  assert rows["a"]["spread"] == pytest.approx(0.2) and rows["b"]["eval_accuracy"] == 0.9
+  text = sweep.summarize(records, tiny())
+  assert "| a | positive M=64 | 8 | 2 | 0.6000 | 0.2000 |" in text
+  assert "- a: 0.600" in text and "- b: 0.900" in text  # against softmax's 1.0 with the same kv pairs
+  assert "- c:" not in text  # 16 pairs: no softmax run at 16 pairs to compare with
+
+
+# --- real activations ----------------------------------------------------------------------------------
+
+
+def activations_tiny(**fields):
+  config = activations_config.get_config("quick")
+  config.model = common.set_fields(tiny_config.shrink(config.model), {
+      "data.text_dir": EXCERPT, "data.valid_plays": ("tempest",), "data.seq_len": L, "data.num_eval_batches": 4,
+      "train.steps": 2, "train.warmup_steps": 1, "train.eval_every": 2, "train.checkpoint_every": 2})
+  config.update(fit_batches=2, measure_batches=1, fit_steps=3, num_draws=1, features=(16,),
+                estimators=("favor+", "favor++", "favor#", "favor+ + window 16", "taylor (fitted)",
+                            "hedgehog (fitted)"))
+  return common.set_fields(config, fields)
+
+
+def test_captured_qkv_reproduce_the_models_attention_output():
+  config = activations_tiny()
+  source = activations.model_config(config)
+  task = tasks.make_task(source)
+  model = models.make_model(source, task.vocab_size, task.num_classes, task.max_len)
+  batch = task.eval_batches[0]
+  params = model.init(jax.random.PRNGKey(3), batch.tokens)["params"]
+  (q, k, v), = activations.capture(config, params, [batch])
+  # The attention module's own output, captured separately; rebuilt from q, k, v by exact causal attention.
+  _, inter = model.apply({"params": params}, batch.tokens, mutable=["intermediates"],
+                         capture_intermediates=lambda m, _: m.name == "attention")
+  want = inter["intermediates"]["block_0"]["attention"]["__call__"][0]
+  out = params["block_0"]["attention"]["out"]
+  heads = core.softmax_attention(q, k, v, causal=True)
+  got = jnp.einsum("blhd,hde->ble", heads, out["kernel"]) + out["bias"]
+  np.testing.assert_allclose(got, want, atol=2e-5)
+  # q itself: the layer's input (embedding, then its LayerNorm) times the query kernel, rotated.
+  x = nn.LayerNorm().apply({"params": params["block_0"]["ln_attention"]}, params["embed"]["embedding"][batch.tokens])
+  q_raw = jnp.einsum("ble,ehd->blhd", x, params["block_0"]["attention"]["query"]["kernel"])
+  np.testing.assert_allclose(q, models.rotary(q_raw + params["block_0"]["attention"]["query"]["bias"]), atol=2e-5)
+
+
+def test_fitted_rows_stay_within_the_feature_budget():
+  assert activations.fitted_rows("hedgehog", 64) == 32
+  for features, rows in ((64, 9), (128, 14), (256, 21)):  # 1 + R + R(R+1)/2: 55, 120, 253
+    assert activations.fitted_rows("taylor", features) == rows
+    assert core.kernels.num_features("taylor", rows + 1, 1) > features
+
+
+def test_measurements_against_exact_attention_and_fitting_lowers_the_loss():
+  q, k, v = (jax.random.normal(key, (2, L, H, D)) * 2.0 for key in jax.random.split(jax.random.PRNGKey(0), 3))
+  w = core.draw_projection(jax.random.PRNGKey(1), "orthogonal", 16, D)
+  rel, kl = activations.errors(q, k, v, w, "positive", None, window=L)  # a window covering all: exact
+  assert rel < 1e-5 and abs(kl) < 1e-5
+  rel, kl = activations.errors(q, k, v, w, "positive", None, window=0)
+  assert rel > 0.05 and kl > 0.01
+  _, before = activations.fit_map("hedgehog", 8, q, k, 0, 1e-2, jax.random.PRNGKey(2))
+  _, after = activations.fit_map("hedgehog", 8, q, k, 30, 1e-2, jax.random.PRNGKey(2))
+  assert after < before - 0.05
+
+
+def test_study_runs_end_to_end_on_the_excerpt(tmp_path):
+  config = activations_tiny()
+  records = main.run(config, str(tmp_path))
+  names = {r["estimator"] for r in records}
+  assert names == set(config.estimators) and all(r["layer"] == 0 for r in records)
+  assert all(np.isfinite(r["rel_error"]) and r["kl"] >= -1e-6 and r["features"] <= 16 for r in records)
+  assert (tmp_path / "error_vs_features.png").exists()
+  assert "vs FAVOR+" in (tmp_path / "summary.md").read_text()
+  again = main.run(config, str(tmp_path))  # the trained model is resumed, not retrained: same numbers
+  assert [r["rel_error"] for r in again] == [r["rel_error"] for r in records]
+  with pytest.raises(ValueError, match="measure_batches"):
+    main.run(activations_tiny(measure_batches=5), str(tmp_path / "x"))
+
+
+def test_tradeoff_reads_a_training_study_and_times_each_run(tmp_path):
+  from experiments import tradeoff
+  from experiments.configs import tradeoff as tradeoff_config
+  study = tiny(**{"train.steps": 2, "train.warmup_steps": 1, "train.eval_every": 2, "train.checkpoint_every": 2})
+  study.variants = (("softmax", {}), ("taylor", {"attention.type": "favor", "attention.kernel": "taylor",
+                                                 "attention.qk_head_dim": 4}))
+  trained = main.run(study, str(tmp_path / "study"))
+  config = tradeoff_config.get_config("quick")
+  config.studies = (("tiny", str(tmp_path / "study")),)
+  records = main.run(config, str(tmp_path / "tradeoff"))
+  assert [(r["name"], r["value"], r["state_size"]) for r in records] == [
+      (r["name"], r["eval_accuracy"], r["state_size"]) for r in trained]
+  assert all(r["steps_per_s"] > 0 for r in records) and (tmp_path / "tradeoff" / "tradeoff.png").exists()
+  config.studies = (("none", str(tmp_path)),)
+  with pytest.raises(ValueError, match="config.json, .*results.json missing"):
+    main.run(config, str(tmp_path / "x"))
