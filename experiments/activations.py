@@ -48,9 +48,9 @@ def trained_params(config, workdir, progress):
   return jax.device_get(state.params), evals[-1]
 
 
-def capture(config, params, batches):
-  """Per layer, (q, k, v) [B, L, H, D] of the model on ``batches`` (concatenated), rotary applied to q, k."""
-  source = model_config(config)
+def capture(source, params, batches):
+  """Per layer, (q, k, v) [B, L, H, D] of ``source``'s softmax model (a training config) with ``params`` on
+  ``batches`` (concatenated), rotary applied to q, k."""
   task = tasks.make_task(source)
   model = models.make_model(source, task.vocab_size, task.num_classes, task.max_len)
   names = ("query", "key", "value")
@@ -78,14 +78,16 @@ def fitted_rows(kernel: str, features: int) -> int:
   return rows
 
 
-def fit_map(kernel, rows, q_fit, k_fit, steps, lr, key):
-  """A per-head map [H, R, D] for ``kernel`` fitted by distillation on the fitting batches (Adam, ``steps``)."""
+def fit_map(kernel, rows, q_fit, k_fit, steps, lr, key, init=None):
+  """A per-head map [H, R, D] for ``kernel`` fitted by distillation (causal) on ``q_fit``, ``k_fit`` (Adam,
+  ``steps``), from ``init`` or unit-norm orthogonal rows; returns it and its final loss."""
   heads, dim = q_fit.shape[-2:]
-  draw = core.draw_projection(key, "orthogonal", rows, dim)
-  init = draw / jnp.linalg.norm(draw, axis=-1, keepdims=True)  # unit rows: the identity's scale
-  map_HRD = jnp.broadcast_to(init, (heads, rows, dim))
+  if init is None:
+    draw = core.draw_projection(key, "orthogonal", rows, dim)
+    init = draw / jnp.linalg.norm(draw, axis=-1, keepdims=True)  # unit rows: the identity's scale
+  map_HRD = jnp.broadcast_to(init, (heads, rows, dim)).astype(jnp.float32)
   optimizer = optax.adam(lr)
-  loss = lambda w: layers.distillation_loss(q_fit, k_fit, w, kernel=kernel, causal=True)
+  loss = jax.jit(lambda w: layers.distillation_loss(q_fit, k_fit, w, kernel=kernel, causal=True))
 
   @jax.jit
   def step(w, opt_state):
@@ -129,8 +131,8 @@ def run(config, progress=print, workdir=None):
   if need > len(batches):
     raise ValueError(f"fit_batches + measure_batches = {need}, but the model's held-out set has {len(batches)} "
                      "batches (model.data.num_eval_batches)")
-  fit = capture(config, params, batches[:config.fit_batches])
-  measure = capture(config, params, batches[config.fit_batches:need])
+  fit = capture(source, params, batches[:config.fit_batches])
+  measure = capture(source, params, batches[config.fit_batches:need])
   estimators = [e for e in ESTIMATORS if e[0] in config.estimators]
   records = []
   for layer, ((q_fit, k_fit, _), (q, k, v)) in enumerate(zip(fit, measure)):

@@ -40,6 +40,11 @@ def features(config) -> int:
   return core.kernels.num_features(a.kernel, rows, qk_dim)
 
 
+def sequence_length(config) -> int:
+  """L of a task's sequences: ``data.seq_len`` (MQAR, Shakespeare), else the padded ``data.max_length`` (ListOps)."""
+  return config.data.get("seq_len", None) or config.data.max_length
+
+
 def final_record(name: str, config, records: list[dict]) -> dict:
   evals = [r for r in records if r["kind"] == "eval"]
   trains = [r for r in records if r["kind"] == "train"]
@@ -50,8 +55,8 @@ def final_record(name: str, config, records: list[dict]) -> dict:
       name=name, task=config.task, attention=a.type, kernel=a.kernel if favor else "",
       num_features=a.num_features if random else 0, projection=a.projection if random else "",
       redraw_every=a.redraw_every, window=a.window if favor else 0, qk_head_dim=a.qk_head_dim,
-      features=features(config), state_size=models.decode_state_size(config, config.data.seq_len),
-      seq_len=config.data.seq_len, num_kv_pairs=config.data.get("num_kv_pairs", 0),
+      features=features(config), state_size=models.decode_state_size(config, sequence_length(config)),
+      seq_len=sequence_length(config), num_kv_pairs=config.data.get("num_kv_pairs", 0),
       steps=config.train.steps, seed=config.train.seed,
       train_loss=trains[-1]["train_loss"], **{k: v for k, v in evals[-1].items() if k.startswith("eval_")},
       best_eval_accuracy=max(r["eval_accuracy"] for r in evals),

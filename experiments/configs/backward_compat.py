@@ -25,9 +25,19 @@ def get_config(arg=None):
   config.finetune.lr = 3e-4  # peak fine-tune learning rate
   config.finetune.warmup_steps = 20  # fine-tune warmup steps
   config.finetune.eval_every = 50  # fine-tune steps between evaluations (step 0 = right after the swap)
+  config.finetune.distill_steps = 300  # learned feature maps (Hedgehog): Adam steps distilling each layer's map
+  config.finetune.distill_lr = 1e-2  # their learning rate
+  config.finetune.distill_batches = 2  # training batches (of train.batch_size) the distillation fits on
   # Each variant fine-tunes from the pretrained softmax weights; "softmax_control" keeps softmax attention.
+  window = 16 if quick else 64  # hybrids' exact window: L/8
   config.variants = (("favor_positive", {}), ("favor_relu", {"attention.kernel": "relu"}),
-                     ("softmax_control", {"attention.type": "softmax"}))
+                     ("softmax_control", {"attention.type": "softmax"}),
+                     # Beyond FAVOR+ (same parameter tree as softmax: no qk_head_dim change): FAVOR# (saderf),
+                     # FAVOR+ with an exact window, Taylor on the full head dim, Hedgehog (map distilled first).
+                     ("favor_sharp", {"attention.kernel": "saderf"}),
+                     ("favor_positive_window", {"attention.window": window}),
+                     ("taylor", {"attention.kernel": "taylor"}),
+                     ("hedgehog", {"attention.kernel": "hedgehog"}))
   if quick:
     config.finetune.update(steps=300, lr=1e-3, eval_every=25)
     config.only = "favor_positive,softmax_control"  # a subset of the variants (overridable)

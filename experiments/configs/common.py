@@ -34,6 +34,13 @@ def set_fields(config, fields: dict, what: str = "override"):
   return config
 
 
+def with_seeds(variants, seeds) -> tuple:
+  """Each (name, fields) variant once per seed: the first seed as given, seed s as "NAME_seedS" with
+  ``train.seed`` = s (for means over seeds, ``experiments.sweep.mean_over_seeds``)."""
+  return tuple((name, fields) if i == 0 else (f"{name}_seed{seed}", {**fields, "train.seed": seed})
+               for name, fields in variants for i, seed in enumerate(seeds))
+
+
 def selected_variants(config) -> list[tuple[str, dict]]:
   """``config.variants`` filtered by ``config.only`` (names checked); no variants = one run named "run"."""
   variants = list(config.variants) or [("run", {})]

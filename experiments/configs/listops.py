@@ -30,10 +30,16 @@ def get_config(arg=None):
   config.train.eval_every = 500  # steps between evaluations
   config.train.checkpoint_every = 500  # steps between checkpoints
   config.attention.num_features = 256  # M
-  favor = lambda kernel: {"attention.type": "favor", "attention.kernel": kernel}
-  config.variants = (("softmax", {}), ("favor_positive", favor("positive")),
-                     ("favor_positive_redraw", {**favor("positive"), "attention.redraw_every": 500}),
-                     ("favor_relu", favor("relu")))
+  favor = lambda kernel, **fields: {"attention.type": "favor", "attention.kernel": kernel,
+                                    **{f"attention.{k}": v for k, v in fields.items()}}
+  window = 12 if quick else 250  # hybrids' exact window (both directions): about L/8
+  config.variants = common.with_seeds((
+      ("softmax", {}), ("favor_positive", favor("positive")),
+      ("favor_positive_redraw", {**favor("positive"), "attention.redraw_every": 500}),
+      ("favor_relu", favor("relu")),
+      # Beyond FAVOR+: Taylor on q, k of dim 16 (153 features), FAVOR+ with an exact window, Hedgehog, FAVOR#.
+      ("taylor_d16", favor("taylor", qk_head_dim=16)), ("favor_positive_window", favor("positive", window=window)),
+      ("hedgehog", favor("hedgehog")), ("favor_sharp", favor("saderf"))), seeds=(0, 1))  # two seeds each
   if quick:
     config.data.update(max_depth=4, max_args=5, min_length=16, max_length=96, num_train=4000, num_eval=256)
     config.model.update(d_model=64, num_layers=2, num_heads=2, mlp_dim=128)
