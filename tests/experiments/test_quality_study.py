@@ -156,7 +156,6 @@ def test_study_runs_end_to_end_on_the_excerpt(tmp_path):
 
 
 def test_tradeoff_reads_a_training_study_and_times_each_run(tmp_path):
-  from experiments import tradeoff
   from experiments.configs import tradeoff as tradeoff_config
   study = tiny(**{"train.steps": 2, "train.warmup_steps": 1, "train.eval_every": 2, "train.checkpoint_every": 2})
   study.variants = (("softmax", {}), ("taylor", {"attention.type": "favor", "attention.kernel": "taylor",
