@@ -117,7 +117,8 @@ def summarize(records: list[dict], config) -> str:
   metric = _main_metric(records)
   lines = [f"# Training: {config.task}\n",
            "F: feature dimension per head; state: numbers per layer and sequence kept to decode the next token "
-           "(softmax: its key-value cache at the training length L).\n",
+           "(softmax: its key-value cache at the training length L; for an encoder task, what a causal layer of "
+           "the same shape would keep).\n",
            f"| run | attention | F | L | kv pairs | seed | steps | eval loss | {metric} | best eval acc | state "
            "| steps/s |", "|" + "---|" * 12]
   for r in records:
