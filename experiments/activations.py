@@ -87,18 +87,19 @@ def fit_map(kernel, rows, q_fit, k_fit, steps, lr, key, init=None):
     init = draw / jnp.linalg.norm(draw, axis=-1, keepdims=True)  # unit rows: the identity's scale
   map_HRD = jnp.broadcast_to(init, (heads, rows, dim)).astype(jnp.float32)
   optimizer = optax.adam(lr)
-  loss = jax.jit(lambda w: layers.distillation_loss(q_fit, k_fit, w, kernel=kernel, causal=True))
+  # q and k are arguments, not closed over: XLA would constant-fold the attention weights of constants.
+  loss = lambda w, q, k: layers.distillation_loss(q, k, w, kernel=kernel, causal=True)
 
   @jax.jit
-  def step(w, opt_state):
-    grads = jax.grad(loss)(w)
+  def step(w, opt_state, q, k):
+    grads = jax.grad(loss)(w, q, k)
     updates, opt_state = optimizer.update(grads, opt_state)
     return optax.apply_updates(w, updates), opt_state
 
   opt_state = optimizer.init(map_HRD)
   for _ in range(steps):
-    map_HRD, opt_state = step(map_HRD, opt_state)
-  return map_HRD, float(loss(map_HRD))
+    map_HRD, opt_state = step(map_HRD, opt_state, q_fit, k_fit)
+  return map_HRD, float(jax.jit(loss)(map_HRD, q_fit, k_fit))
 
 
 def errors(q, k, v, projection, kernel, rho, window):
