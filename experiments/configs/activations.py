@@ -26,8 +26,9 @@ def get_config(arg=None):
   config.measure_batches = 2  # the next held-out batches, on which the errors are measured
   config.features = (64, 128, 256)  # F: features per head each estimator may use (at most)
   config.num_draws = 4  # random projections averaged per estimator and F
-  config.fit_steps = 200  # Adam steps fitting Hedgehog's and Taylor's maps (distillation loss)
-  config.fit_lr = 1e-2  # their learning rate
+  config.fit_sequences = 8  # of those, the sequences the maps are distilled on (the weights cost B·H·L²·F)
+  config.fit_steps = 60  # Adam steps fitting Hedgehog's and Taylor's maps (distillation loss)
+  config.fit_lr = 3e-2  # their learning rate
   # Names in experiments.activations.ESTIMATORS.
   config.estimators = ("favor+", "hyperbolic", "favor++", "favor#", "favor+ + window 16", "taylor (fitted)",
                        "hedgehog (fitted)")
@@ -35,5 +36,5 @@ def get_config(arg=None):
     config.model.train.update(steps=100, warmup_steps=10, eval_every=50, checkpoint_every=50)
     config.features = (64,)
     config.num_draws = 2
-    config.fit_steps = 20
+    config.fit_steps = 10
   return config
