@@ -79,7 +79,7 @@ def summarize(records, config) -> str:
   lines = ["# Quality against training speed", "",
            f"Quality: each study's committed result; steps/s: the run's train step timed here alone (median of "
            f"{config.timing_repeats} × {config.timing_steps} steps after compiling).", "",
-           "| study | run | attention | L | batch | quality | decoding state | steps/s |", "|---|" * 8]
+           "| study | run | attention | L | batch | quality | decoding state | steps/s |", "|" + "---|" * 8]
   for r in records:
     lines.append(f"| {r['study']} | {r['name']} | {r['setting']} | {r['seq_len']} | {r['batch_size']} | "
                  f"{r['metric']} {r['value']:.4f} | {r['state_size']} | {r['steps_per_s']:.2f} |")
