@@ -148,10 +148,9 @@ def run(config, progress=print, workdir=None):
         fit_loss = float("nan")
         if how == "fitted":
           rows = fitted_rows(kernel, features)
-          projections = [fit_map(kernel, rows, q_fit[:config.fit_sequences], k_fit[:config.fit_sequences],
-                                 config.fit_steps, config.fit_lr, key)]
-          fit_loss = projections[0][1]
-          projections = [projections[0][0]]
+          fitted, fit_loss = fit_map(kernel, rows, q_fit[:config.fit_sequences], k_fit[:config.fit_sequences],
+                                     config.fit_steps, config.fit_lr, key)
+          projections = [fitted]
         else:
           rows = features // (kern.num_features(1, dim))  # M with F = num_features(M): M or F/2
           projections = [core.draw_projection(k_, "orthogonal", rows, dim)
@@ -199,8 +198,8 @@ def summarize(records, config) -> str:
                    + f" | {ratio} |")
     lines.append("")
   if "favor+" in names:
-    best = min((table[n, f][metric] / table["favor+", f][metric], n, f)
-               for n in names for f in config.features if n != "favor+" for metric in ("rel_error",))
+    best = min((table[n, f]["rel_error"] / table["favor+", f]["rel_error"], n, f)
+               for n in names for f in config.features if n != "favor+")
     lines.append(f"Best relative output error against FAVOR+ at the same F: {best[1]} at F≤{best[2]}, "
                  f"{best[0]:.2f}× FAVOR+'s (goal ≤ 0.33).")
   return "\n".join(lines) + "\n"

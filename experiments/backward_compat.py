@@ -21,7 +21,7 @@ import os
 import jax
 from flax import traverse_util
 
-from experiments import activations, models, plotting, sweep, tasks, training
+from experiments import activations, plotting, sweep, tasks, training
 from favor_jax import layers
 
 
@@ -40,19 +40,10 @@ def phase_configs(config):
   return pretrain, finetunes
 
 
-def _model_and_state(c, params=None):
-  mesh = training.make_mesh(c.mesh)
-  task = tasks.make_task(c)
-  model = models.make_model(c, task.vocab_size, task.num_classes, task.max_len, mesh)
-  state = training.init_state(c, model, task, training.make_optimizer(c.train), params)
-  return model, task, mesh, training.place(state, training.state_shardings(state, mesh, c.mesh.fsdp))
-
-
 def swapped_params(c, pretrained):
   """``c``'s initial parameters with every one the softmax model has replaced by ``pretrained``'s (a learned
   feature map keeps its initial value, the identity)."""
-  _, _, _, state = _model_and_state(c)
-  new, old = (traverse_util.flatten_dict(jax.device_get(p)) for p in (state.params, pretrained))
+  new, old = (traverse_util.flatten_dict(jax.device_get(p)) for p in (training.build(c).state.params, pretrained))
   missing = sorted("/".join(k) for k in set(old) - set(new))
   if missing:
     raise ValueError(f"the swapped-in model has no place for the softmax parameters {missing}")
@@ -60,8 +51,8 @@ def swapped_params(c, pretrained):
 
 
 def eval_loss(c, params) -> float:
-  model, task, mesh, state = _model_and_state(c, params)
-  return float(training.make_eval(model, task, mesh)(state)["eval_loss"])
+  run = training.build(c, params)
+  return float(training.make_eval(run.model, run.task, run.mesh)(run.state)["eval_loss"])
 
 
 def distill(c, params, pretrain, pretrained, finetune, progress):
@@ -101,13 +92,9 @@ def run(config, progress, workdir) -> list[dict]:
     if after_swap is not None:
       after_distill = evals[0]["eval_loss"]
     a = c.attention
-    favor = a.type == "favor"
-    out.append(dict(name=name, attention=a.type, kernel=a.kernel if favor else "", setting=sweep._setting(dict(
-                        attention=a.type, kernel=a.kernel, redraw_every=a.redraw_every, window=a.window,
-                        qk_head_dim=a.qk_head_dim,
-                        num_features=a.num_features if favor and layers.projection_role(a.kernel) == "random"
-                        else 0)),
-                    num_features=a.num_features if favor else 0,
+    out.append(dict(name=name, attention=a.type, kernel=a.kernel if a.type == "favor" else "",
+                    setting=sweep.setting(sweep.attention_fields(c)),
+                    num_features=a.num_features if a.type == "favor" else 0,
                     pretrain_steps=pretrain.train.steps, finetune_steps=c.train.steps,
                     softmax_eval_loss=pretrained["eval_loss"],
                     after_swap_eval_loss=evals[0]["eval_loss"] if after_swap is None else after_swap,

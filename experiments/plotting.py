@@ -68,9 +68,14 @@ def plain_log(ax, axis: str = "y") -> None:
 
 
 def legend_right(fig, handles=None, labels=None, **kwargs):
-  """One legend for the whole figure, to the right of every panel (``save`` makes room for it)."""
+  """One legend for the whole figure, to the right of every panel (``save`` makes room for it); by default
+  each label once, from whichever panel shows it first."""
   if handles is None:
-    handles, labels = fig.axes[0].get_legend_handles_labels()
+    first = {}
+    for ax in fig.axes:
+      for handle, label in zip(*ax.get_legend_handles_labels()):
+        first.setdefault(label, handle)
+    handles, labels = list(first.values()), list(first)
   return fig.legend(handles, labels, loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=8,
                     frameon=False, **kwargs)
 
@@ -124,9 +129,5 @@ def quality_vs_state(rows: list[dict], metric: str, label, path: str) -> str:
     ax.set(xlabel="decoding state per layer (numbers)", ylabel=metric.replace("_", " "),
            title=f"{pairs} key-value pairs" if pairs else None)
     ax.grid(alpha=0.3)
-  handles = {}
-  for ax in axes[0]:
-    for h, n in zip(*ax.get_legend_handles_labels()):
-      handles.setdefault(n, h)
-  legend_right(fig, list(handles.values()), list(handles))
+  legend_right(fig)
   return save(fig, path)

@@ -45,17 +45,22 @@ def sequence_length(config) -> int:
   return config.data.get("seq_len", None) or config.data.max_length
 
 
-def final_record(name: str, config, records: list[dict]) -> dict:
-  evals = [r for r in records if r["kind"] == "eval"]
-  trains = [r for r in records if r["kind"] == "train"]
+def attention_fields(config) -> dict:
+  """The attention fields a record holds (what ``setting`` describes); those a kernel does not use are empty."""
   a = config.attention
   favor = a.type == "favor"
   random = favor and layers.projection_role(a.kernel) == "random"
+  return dict(attention=a.type, kernel=a.kernel if favor else "", num_features=a.num_features if random else 0,
+              projection=a.projection if random else "", redraw_every=a.redraw_every,
+              window=a.window if favor else 0, qk_head_dim=a.qk_head_dim)
+
+
+def final_record(name: str, config, records: list[dict]) -> dict:
+  evals = [r for r in records if r["kind"] == "eval"]
+  trains = [r for r in records if r["kind"] == "train"]
   return dict(
-      name=name, task=config.task, attention=a.type, kernel=a.kernel if favor else "",
-      num_features=a.num_features if random else 0, projection=a.projection if random else "",
-      redraw_every=a.redraw_every, window=a.window if favor else 0, qk_head_dim=a.qk_head_dim,
-      features=features(config), state_size=models.decode_state_size(config, sequence_length(config)),
+      name=name, task=config.task, **attention_fields(config), features=features(config),
+      state_size=models.decode_state_size(config, sequence_length(config)),
       seq_len=sequence_length(config), num_kv_pairs=config.data.get("num_kv_pairs", 0),
       steps=config.train.steps, seed=config.train.seed,
       train_loss=trains[-1]["train_loss"], **{k: v for k, v in evals[-1].items() if k.startswith("eval_")},
@@ -99,7 +104,7 @@ def mean_over_seeds(records: list[dict], metric: str) -> list[dict]:
   return rows
 
 
-def _setting(r) -> str:
+def setting(r) -> str:
   """What a run's attention is, in words: "softmax", "taylor d=16 + window 16", "positive M=64"."""
   if r["attention"] == "softmax":
     return "softmax"
@@ -122,14 +127,14 @@ def summarize(records: list[dict], config) -> str:
            f"| run | attention | F | L | kv pairs | seed | steps | eval loss | {metric} | best eval acc | state "
            "| steps/s |", "|" + "---|" * 12]
   for r in records:
-    lines.append(f"| {r['name']} | {_setting(r)} | {r['features'] or ''} | {r['seq_len']} | "
+    lines.append(f"| {r['name']} | {setting(r)} | {r['features'] or ''} | {r['seq_len']} | "
                  f"{r['num_kv_pairs'] or ''} | {r['seed']} | {r['steps']} | {r['eval_loss']:.4f} | "
                  f"{r[metric]:.4f} | {r['best_eval_accuracy']:.4f} | {r['state_size']} | {r['steps_per_s']:.2f} |")
   settings = mean_over_seeds(records, metric)
   if len(settings) < len(records):
     lines += ["", f"## Mean over seeds ({metric}; spread = max − min)", "",
               f"| run | attention | kv pairs | seeds | {metric} | spread | best eval acc |", "|" + "---|" * 7]
-    lines += [f"| {r['name']} | {_setting(r)} | {r['num_kv_pairs'] or ''} | {len(r['seeds'])} | {r[metric]:.4f} "
+    lines += [f"| {r['name']} | {setting(r)} | {r['num_kv_pairs'] or ''} | {len(r['seeds'])} | {r[metric]:.4f} "
               f"| {r['spread']:.4f} | {r['best_eval_accuracy']:.4f} |" for r in settings]
   softmax = [r for r in settings if r["attention"] == "softmax"]
   for base in softmax:
@@ -158,6 +163,6 @@ def plot(records: list[dict], config, workdir: str) -> list[str]:
       curves[r["name"]] = [json.loads(line) for line in f]
   paths = [plotting.training_curves(curves, os.path.join(workdir, "curves.png"))]
   metric = _main_metric(records)
-  paths.append(plotting.quality_vs_state(mean_over_seeds(records, metric), metric, _setting,
+  paths.append(plotting.quality_vs_state(mean_over_seeds(records, metric), metric, setting,
                                          os.path.join(workdir, "state.png")))
   return paths

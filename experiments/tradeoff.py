@@ -9,13 +9,14 @@ state, steps/s.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 
 import jax
 import ml_collections
 
-from experiments import models, plotting, sweep, tasks, training
+from experiments import plotting, sweep, training
 from experiments.timing import median_of
 
 
@@ -41,16 +42,14 @@ def _variants(config):
 
 def steps_per_second(config, steps: int, repeats: int) -> float:
   """Training steps per second of ``config`` on this machine (one device), compile excluded."""
-  mesh = training.make_mesh(ml_collections.ConfigDict(dict(data=1, sequence=1)))
-  task = tasks.make_task(config)
-  model = models.make_model(config, task.vocab_size, task.num_classes, task.max_len, mesh)
-  optimizer = training.make_optimizer(config.train)
-  state = training.init_state(config, model, task, optimizer)
-  step = training.make_train_step(model, optimizer, config.attention.redraw_every, jax.random.PRNGKey(1))
-  batches = [task.train_batch(i) for i in range(steps)]
+  config = copy.deepcopy(config)
+  config.mesh.update(data=1, sequence=1)
+  run = training.build(config)
+  step = training.make_train_step(run.model, run.optimizer, config.attention.redraw_every, jax.random.PRNGKey(1))
+  batches = [run.task.train_batch(i) for i in range(steps)]
 
   def block():
-    s = state
+    s = run.state
     for b in batches:
       s = step(s, b)
     jax.block_until_ready(s.params)
@@ -68,7 +67,7 @@ def run(config, progress=print, workdir=None):
     metric = sweep._main_metric(records)
     for r in records:
       rate = steps_per_second(variants[r["name"]], config.timing_steps, config.timing_repeats)
-      out.append(dict(study=study, name=r["name"], setting=sweep._setting(r), metric=metric, value=r[metric],
+      out.append(dict(study=study, name=r["name"], setting=sweep.setting(r), metric=metric, value=r[metric],
                       seed=r["seed"], state_size=r["state_size"], seq_len=r["seq_len"],
                       batch_size=variants[r["name"]].train.batch_size, steps_per_s=rate))
       progress(f"{study} {r['name']:>24} {metric} {r[metric]:.4f} {rate:.2f} steps/s")
@@ -104,9 +103,5 @@ def plot(records, config, workdir):
     ax.set(xlabel=f"training steps/s (L={rows[0]['seq_len']}, batch {rows[0]['batch_size']})",
            ylabel=rows[0]["metric"].replace("_", " "), title=study)
     ax.grid(alpha=0.3)
-  handles = {}
-  for ax in axes[0]:
-    for h, n in zip(*ax.get_legend_handles_labels()):
-      handles.setdefault(n, h)
-  plotting.legend_right(fig, list(handles.values()), list(handles))
+  plotting.legend_right(fig)
   return [plotting.save(fig, os.path.join(workdir, "tradeoff.png"))]

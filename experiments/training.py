@@ -324,6 +324,29 @@ def open_checkpoints(directory: str, state: TrainState, progress) -> tuple[ocp.C
   return checkpoints, state
 
 
+class Setup(NamedTuple):
+  """What a run of ``config`` works with, before any checkpoint is read."""
+  mesh: Mesh
+  task: tasks.Task
+  model: models.Transformer
+  optimizer: optax.GradientTransformation
+  state: TrainState  # fresh (``init_params`` when given), placed on ``mesh``
+  shardings: Any  # the state's shardings
+
+
+def build(config, init_params=None, progress=lambda message: None) -> Setup:
+  """The mesh, task, model, optimiser and fresh placed state of ``config`` (the first part of ``train``)."""
+  mesh = make_mesh(config.mesh)
+  progress(f"building the {config.task} task (fetching its data if not cached)")
+  task = tasks.make_task(config)
+  progress("initialising the model and optimiser")
+  model = models.make_model(config, task.vocab_size, task.num_classes, task.max_len, mesh)
+  optimizer = make_optimizer(config.train)
+  state = init_state(config, model, task, optimizer, init_params)
+  shardings = state_shardings(state, mesh, config.mesh.fsdp)
+  return Setup(mesh, task, model, optimizer, place(state, shardings), shardings)
+
+
 def train(config, workdir: str, progress=print, init_params=None) -> tuple[list[dict], TrainState]:
   """Trains (or resumes) one configuration in ``workdir``; returns the metric records and the final state.
 
@@ -337,15 +360,7 @@ def train(config, workdir: str, progress=print, init_params=None) -> tuple[list[
   t = config.train
   end = t.stop_after or t.steps
   common.check_workdir(workdir, "the run directory")
-  mesh = make_mesh(config.mesh)
-  progress(f"building the {config.task} task (fetching its data if not cached)")
-  task = tasks.make_task(config)
-  progress("initialising the model and optimiser")
-  model = models.make_model(config, task.vocab_size, task.num_classes, task.max_len, mesh)
-  optimizer = make_optimizer(t)
-  state = init_state(config, model, task, optimizer, init_params)
-  shardings = state_shardings(state, mesh, config.mesh.fsdp)
-  state = place(state, shardings)
+  mesh, task, model, optimizer, state, shardings = build(config, init_params, progress)
   checkpoints, state = open_checkpoints(os.path.join(workdir, "checkpoints"), state, progress)
   step, position = int(state.step), int(state.data_position)
   log = MetricsLog(os.path.join(workdir, "metrics.jsonl"), keep_through=step)

@@ -41,6 +41,12 @@ def with_seeds(variants, seeds) -> tuple:
                for name, fields in variants for i, seed in enumerate(seeds))
 
 
+def favor_variant(kernel: str, **attention) -> dict:
+  """A variant's fields for FAVOR attention with ``kernel`` and other ``attention.*`` fields:
+  ``favor_variant("taylor", qk_head_dim=16)``."""
+  return {"attention.type": "favor", "attention.kernel": kernel, **{f"attention.{k}": v for k, v in attention.items()}}
+
+
 def selected_variants(config) -> list[tuple[str, dict]]:
   """``config.variants`` filtered by ``config.only`` (names checked); no variants = one run named "run"."""
   variants = list(config.variants) or [("run", {})]

@@ -30,8 +30,7 @@ def get_config(arg=None):
   config.train.eval_every = 500  # steps between evaluations
   config.train.checkpoint_every = 500  # steps between checkpoints
   config.attention.num_features = 256  # M
-  favor = lambda kernel, **fields: {"attention.type": "favor", "attention.kernel": kernel,
-                                    **{f"attention.{k}": v for k, v in fields.items()}}
+  favor = common.favor_variant
   window = 12 if quick else 250  # hybrids' exact window (both directions): about L/8
   config.variants = common.with_seeds((
       ("softmax", {}), ("favor_positive", favor("positive")),

@@ -27,21 +27,18 @@ def get_config(arg=None):
   config.train.lr = 3e-3  # peak learning rate
   config.train.eval_every = 250  # steps between evaluations
   config.train.checkpoint_every = 500  # steps between checkpoints
-  favor = lambda kernel, m, redraw: {"attention.type": "favor", "attention.kernel": kernel,
-                                     "attention.num_features": m, "attention.redraw_every": redraw}
-  plain = lambda kernel, **fields: {"attention.type": "favor", "attention.kernel": kernel,
-                                    **{f"attention.{k}": v for k, v in fields.items()}}
+  favor = common.favor_variant
   config.variants = (("softmax", {}),) + tuple(
-      (f"{kernel}_m{m}" + (f"_redraw{redraw}" if redraw else ""), favor(kernel, m, redraw))
+      (f"{kernel}_m{m}" + (f"_redraw{redraw}" if redraw else ""), favor(kernel, num_features=m, redraw_every=redraw))
       for kernel in ("positive", "hyperbolic", "relu") for m in (64, 256) for redraw in (0, 100)
       if kernel == "positive" or (m, redraw) == (64, 0)) + (  # the M and redraw ablations on FAVOR+
       # Beyond FAVOR+: Taylor (Based's 2nd-order map on q, k of dim 16: 153 features), Hedgehog (learned,
       # 2·32 = 64 features), FAVOR# (saderf, M = 64) and hybrids: exact attention over the last 16 keys.
-      ("taylor_d16", plain("taylor", qk_head_dim=16)),
-      ("taylor_d16_w16", plain("taylor", qk_head_dim=16, window=16)),  # Based: Taylor + a sliding window
-      ("positive_m64_w16", plain("positive", num_features=64, window=16)),
-      ("hedgehog", plain("hedgehog")),
-      ("saderf_m64", plain("saderf", num_features=64)))
+      ("taylor_d16", favor("taylor", qk_head_dim=16)),
+      ("taylor_d16_w16", favor("taylor", qk_head_dim=16, window=16)),  # Based: Taylor + a sliding window
+      ("positive_m64_w16", favor("positive", num_features=64, window=16)),
+      ("hedgehog", favor("hedgehog")),
+      ("saderf_m64", favor("saderf", num_features=64)))
   if quick:
     config.train.update(steps=60, batch_size=32, warmup_steps=10, log_every=10, eval_every=30,
                         checkpoint_every=30)

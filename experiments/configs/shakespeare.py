@@ -30,8 +30,7 @@ def get_config(arg=None):
   config.train.eval_every = 500  # steps between evaluations
   config.train.checkpoint_every = 500  # steps between checkpoints
   config.attention.num_features = 128  # M
-  favor = lambda kernel, **fields: {"attention.type": "favor", "attention.kernel": kernel,
-                                    **{f"attention.{k}": v for k, v in fields.items()}}
+  favor = common.favor_variant
   window = 64 if not quick else 16  # hybrids' exact window: L/8
   config.variants = (("softmax", {}), ("favor_positive", favor("positive")),
                      ("favor_positive_redraw", {**favor("positive"), "attention.redraw_every": 100}),
