@@ -46,6 +46,7 @@ STUDIES = {
     "activations": "experiments.activations",
     "tradeoff": "experiments.tradeoff",
     "speed": "experiments.speed",
+    "blocks": "experiments.blocks",
     "peers": "experiments.peers",
     "train": "experiments.sweep",
     "backward_compat": "experiments.backward_compat",

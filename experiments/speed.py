@@ -48,8 +48,10 @@ ESTIMATORS = {
     "taylor": Estimator("taylor"),  # 2nd-order Taylor at D: 1 + D + D(D+1)/2 features
     "taylor_d16": Estimator("taylor", qk_dim=16),  # Based's shape: q/k head dim 16 (153 features), Dv = D
     "hybrid_w64": Estimator("positive", window=64),  # exact window of 64 + FAVOR+ beyond it
+    "favor_pallas": Estimator("positive", causal_method="pallas"),  # the fused Pallas kernels (causal only)
 }
-CAUSAL_ONLY = ("favor_scan", "favor_cumsum")
+CAUSAL_ONLY = ("favor_scan", "favor_cumsum", "favor_pallas")
+CHUNKED = ("chunked", "pallas")  # causal methods that compute the masked product inside chunks
 CHECK_ROWS = 256  # query rows compared with the float32 exact reference
 
 
@@ -103,7 +105,7 @@ def flops(name, causal, b, length, h, d, m, on_gpu=False):
   features = 2 * 2 * m * dq if kern.needs_projection else 2 * f  # ωx for q and k; Taylor: the products
   passes = 2 if e.window and not causal else 1
   per_pass = 2 * 2 * f * (d + 1)  # state update and read-out
-  if (causal or e.window) and e.causal_method == "chunked":
+  if (causal or e.window) and e.causal_method in CHUNKED:
     per_pass += 2 * CHUNK * (f + d + 1)  # masked quadratic product inside a chunk
   per_token = features * passes + per_pass * passes
   if e.window:
@@ -280,6 +282,12 @@ def summarize(records, config) -> str:
         lines.append(f"- L={key[2]} {'causal' if key[1] else 'bidirectional'} {key[3]}: {r['method']} / FAVOR+ = "
                      f"{r['median_s'] / fav['median_s']:.1f}× time, "
                      f"{r['peak_bytes'] / fav['peak_bytes']:.1f}× memory")
+    if r["method"] == "favor_pallas":
+      for base in ("favor", "jax_dot_product_attention"):
+        other = t.get((base,) + key[1:])
+        if other and other["status"] == "ok":
+          lines.append(f"- L={key[2]} causal {key[3]}: {base} / fused Pallas = "
+                       f"{other['median_s'] / r['median_s']:.2f}× (above 1: the fused kernels are faster)")
   for exact in EXACT:
     cross = [length for length in sorted({r["seq_len"] for r in ok})
              if all(t.get((meth, False, length, "fwd"), {}).get("status") == "ok" for meth in ("favor", exact))

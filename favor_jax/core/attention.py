@@ -62,8 +62,8 @@ def _run(feature_fn, query, key, value, key_mask, causal, causal_method, chunk_s
   v = v.astype(jnp.float32)
   if not causal:
     num, den = bidirectional_lib.bidirectional(feature_fn, q, k, v, mask)
-  elif causal_method == "chunked":
-    num, den = causal_lib.chunked(feature_fn, q, k, v, mask, chunk_size=chunk_size)
+  elif causal_method in ("chunked", "pallas"):
+    num, den = causal_lib.CAUSAL_METHODS[causal_method](feature_fn, q, k, v, mask, chunk_size=chunk_size)
   else:
     num, den = causal_lib.CAUSAL_METHODS[causal_method](feature_fn, q, k, v, mask)
   out = shared.poison(shared.divide(num, den), bad)

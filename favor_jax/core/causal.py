@@ -193,4 +193,11 @@ def cumsum(feature_fn, q, k, v, mask):
   return y[..., :-1], y[..., -1]
 
 
-CAUSAL_METHODS = {"chunked": chunked, "scan": scan, "cumsum": cumsum}
+def pallas(feature_fn, q, k, v, mask, *, chunk_size: int = 64, return_scale: bool = False):
+  """The chunked pass as fused Pallas kernels (:mod:`favor_jax.core.pallas`; loaded on first use)."""
+  from favor_jax.core import pallas as pallas_lib
+
+  return pallas_lib.causal(feature_fn, q, k, v, mask, chunk_size=chunk_size, return_scale=return_scale)
+
+
+CAUSAL_METHODS = {"chunked": chunked, "scan": scan, "cumsum": cumsum, "pallas": pallas}

@@ -1,0 +1,142 @@
+"""The fused Pallas causal pass (``causal_method="pallas"``), run here in Pallas's interpreter: outputs
+against the explicit float64 quadratic form, gradients against the per-token scan's, every kernel with
+exponential features, masks, odd lengths, Dv ≠ D, ×20 inputs, causal invariance, bfloat16, and that the
+kernels lower to Triton for a GPU (what a GPU compiles; the run itself needs one)."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from favor_jax import core
+from favor_jax.core import attention, kernels, pallas
+from tests.core.test_numerics import explicit
+
+B, L, H, D, DV, M = 2, 37, 2, 8, 12, 16  # odd length (three chunks of 16, padded), Dv ≠ D
+FUSED = ("positive", "hyperbolic", "optimal_positive", "saderf", "hedgehog")
+
+
+def _inputs(scale=1.0, length=L, seed=0):
+  ks = jax.random.split(jax.random.PRNGKey(seed), 4)
+  q, k = (scale * jax.random.normal(kk, (B, length, H, D)) for kk in ks[:2])
+  v = jax.random.normal(ks[2], (B, length, H, DV))
+  mask = jax.random.bernoulli(ks[3], 0.75, (B, length)).at[1, :3].set(False)  # row 0..2 of example 1 see nothing
+  return q, k, v, mask
+
+
+def _params(name, q, k, mask):
+  kern = kernels.KERNELS[name]
+  proj = core.orthogonal_projection(jax.random.PRNGKey(5), M, D)
+  if name == "hedgehog":  # learned map: its own parameter shape
+    proj = 0.3 * jax.random.normal(jax.random.PRNGKey(6), (M, D))
+  rho = kern.compute_statistic(q, k, mask) if kern.data_dependent else None
+  return proj, rho
+
+
+@functools.cache
+def _fused(name, fallback=True, chunk=16):
+  """(q, k, v, proj, rho, mask) -> (num, den, scale) through the fused kernels, jitted."""
+
+  def run(q, k, v, proj, rho, mask):
+    feature_fn = attention._feature_fn(name, proj, rho, q, k, mask, True)
+    return pallas.causal(feature_fn, q, k, v, mask, chunk_size=chunk, return_scale=True, fallback=fallback)
+
+  return jax.jit(run)
+
+
+def _ratio(num, den):
+  den = np.asarray(den)[..., None]
+  return np.where(den == 0, 0.0, np.asarray(num) / np.where(den == 0, 1.0, den))
+
+
+@pytest.mark.parametrize("name", FUSED)
+def test_fused_kernels_equal_the_explicit_form_and_the_scan_gradients(name):
+  q, k, v, mask = _inputs()
+  proj, rho = _params(name, q, k, mask)
+  num, den, scale = _fused(name, fallback=False)(q, k, v, proj, rho, mask)
+  assert not np.any(pallas.lost_rows(den, scale)), "the fused path itself must be what is checked at ×1"
+  want, _ = explicit(name, q, k, v, proj, rho, mask, causal=True)
+  np.testing.assert_allclose(_ratio(num, den), want, atol=1e-5 * np.max(np.abs(want)))
+  # Rows that see no key: zero, with scale −∞.
+  assert np.all(np.asarray(den)[1, :3] == 0) and np.all(np.isneginf(np.asarray(scale)[1, :3]))
+  weights = jnp.cos(jnp.arange(B * L * H * DV).reshape(B, L, H, DV))
+
+  def loss(method, q, k, v, proj):
+    out = core.favor_attention(q, k, v, proj, kernel=name, causal=True, key_mask=mask, rho=rho,
+                               causal_method=method, chunk_size=16)
+    return jnp.sum(out * weights)
+
+  grads = lambda method: jax.jit(jax.grad(functools.partial(loss, method), argnums=(0, 1, 2, 3)))(q, k, v, proj)
+  for got, ref, what in zip(grads("pallas"), grads("scan"), ("query", "key", "value", "projection")):
+    np.testing.assert_allclose(got, ref, atol=2e-5 * np.max(np.abs(ref)), err_msg=what)
+
+
+def test_large_inputs_are_redone_exactly_never_zero_rows():
+  """At ×20 a later key inside a chunk outgrows the rows before it by hundreds of e-folds: the fused pass
+  detects those rows (denominator below its largest term's floor) and the call is redone by the XLA pass."""
+  for scale in (4.0, 20.0):
+    q, k, v, mask = _inputs(scale)
+    proj, rho = _params("positive", q, k, mask)
+    want, _ = explicit("positive", q, k, v, proj, rho, mask, causal=True)
+    got = core.favor_attention(q, k, v, proj, causal=True, key_mask=mask, causal_method="pallas", chunk_size=16)
+    assert np.all(np.isfinite(got))
+    np.testing.assert_allclose(got, want, atol=1e-5 * scale ** 2 * np.max(np.abs(want)), err_msg=f"×{scale}")
+    assert not np.any(np.all(np.asarray(got) == 0, -1) & ~np.all(want == 0, -1))
+  num, den, scale = _fused("positive", fallback=False)(q, k, v, proj, rho, mask)
+  assert np.any(pallas.lost_rows(den, scale)), "×20 must exercise the detection"
+
+
+def test_a_huge_future_key_changes_no_earlier_row_and_gets_no_gradient_from_it():
+  t = 29  # inside the second chunk
+  q, k, v, mask = _inputs(length=48)
+  mask = mask.at[:, t].set(True)
+  proj, _ = _params("positive", q, k, mask)
+  run = lambda k: core.favor_attention(q, k, v, proj, causal=True, key_mask=mask, causal_method="pallas",
+                                       chunk_size=16)
+  before = jax.jit(run)(k)
+  after = jax.jit(run)(k.at[:, t].multiply(100.0))
+  # Float32 rounding only (as for the XLA pass): a chunk's key products are scaled by its largest key.
+  np.testing.assert_allclose(np.asarray(after)[:, :t], np.asarray(before)[:, :t], rtol=1e-5, atol=1e-6)
+  assert not np.allclose(np.asarray(after)[:, t:], np.asarray(before)[:, t:])
+  grad_k = jax.jit(jax.grad(lambda k: jnp.sum(run(k)[:, :t] ** 2)))(k)
+  assert np.all(np.asarray(grad_k)[:, t:] == 0.0) and np.any(np.asarray(grad_k)[:, :t] != 0.0)
+
+
+def test_bfloat16_inputs_stay_within_bfloat16_rounding_of_float32():
+  q, k, v, mask = _inputs()
+  proj, _ = _params("positive", q, k, mask)
+  run = lambda *x: core.favor_attention(*x, proj, causal=True, key_mask=mask, causal_method="pallas", chunk_size=16)
+  want = run(q, k, v)
+  got = run(*(x.astype(jnp.bfloat16) for x in (q, k, v)))
+  assert got.dtype == jnp.bfloat16
+  err = np.max(np.abs(np.asarray(got, np.float32) - np.asarray(want))) / np.max(np.abs(np.asarray(want)))
+  assert err < 2e-2
+
+
+def test_unsupported_feature_maps_and_chunks_are_refused():
+  q, k, v, mask = _inputs()
+  with pytest.raises(ValueError, match="causal_method='chunked'"):
+    core.favor_attention(q, k, v, None, kernel="taylor", causal=True, causal_method="pallas")
+  with pytest.raises(ValueError, match="power of two >= 16, got 24"):
+    core.favor_attention(q, k, v, _params("positive", q, k, mask)[0], causal=True, causal_method="pallas",
+                         chunk_size=24)
+
+
+def test_forward_and_backward_lower_to_triton_for_a_gpu():
+  """What a GPU compiles: Pallas lowers every kernel to Triton here too (unsupported operations fail now)."""
+  q, k, v, mask = (x[:1] for x in _inputs(length=128))
+  proj, _ = _params("positive", q, k, mask)
+  blocks = pallas.blocks_for(64, interpret=False)
+
+  def loss(q, k, v, proj):
+    feature_fn = attention._feature_fn("positive", proj, None, q, k, mask, True)
+    num, den = pallas.causal(feature_fn, q, k, v, mask, blocks=blocks)
+    return jnp.sum(num / den[..., None])
+
+  for dtype in (jnp.float32, jnp.bfloat16):
+    args = tuple(x.astype(dtype) for x in (q, k, v)) + (proj,)
+    for fn, kernels_in_it in ((loss, 2), (jax.grad(loss, argnums=(0, 1, 2, 3)), 4)):
+      text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+      assert text.count("__gpu$xla.gpu.triton") == kernels_in_it
