@@ -62,7 +62,7 @@ def _run(feature_fn, query, key, value, key_mask, causal, causal_method, chunk_s
   v = v.astype(jnp.float32)
   if not causal:
     num, den = bidirectional_lib.bidirectional(feature_fn, q, k, v, mask)
-  elif causal_method in ("chunked", "pallas"):
+  elif causal_method in ("auto", "chunked", "pallas"):
     num, den = causal_lib.CAUSAL_METHODS[causal_method](feature_fn, q, k, v, mask, chunk_size=chunk_size)
   else:
     num, den = causal_lib.CAUSAL_METHODS[causal_method](feature_fn, q, k, v, mask)
@@ -77,7 +77,7 @@ def linear_attention(
     *,
     causal: bool = False,
     key_mask: Bool[Array, "... Lk"] | None = None,
-    causal_method: str = "chunked",
+    causal_method: str = "auto",
     chunk_size: int = 64,
 ) -> Float[Array, "... Lq H Dv"]:
   """Normalised linear attention given features (Katharopoulos et al. 2020):
@@ -110,7 +110,7 @@ def favor_attention(
     causal: bool = False,
     key_mask: Bool[Array, "... Lk"] | None = None,
     rho: Float[Array, "... H"] | None = None,
-    causal_method: str = "chunked",
+    causal_method: str = "auto",
     chunk_size: int = 64,
 ) -> Float[Array, "... Lq H Dv"]:
   """FAVOR attention (Choromanski et al. 2021, "Rethinking Attention with Performers"):
@@ -123,9 +123,12 @@ def favor_attention(
 
   Keys are stabilised in log domain by a running maximum over past keys only,
   so causal outputs never depend, even numerically, on later tokens.
-  ``causal_method``: ``"chunked"`` (default; exact causal chunks of
-  ``chunk_size`` with carried state), ``"scan"`` (the paper's per-token
-  recurrence) or ``"cumsum"`` (materialised prefix states). ``rho`` is the
+  ``causal_method``: ``"auto"`` (default: ``"pallas"`` on a GPU where the
+  kernel's features allow it, else ``"chunked"``), ``"chunked"`` (exact
+  causal chunks of ``chunk_size`` with carried state, XLA), ``"pallas"``
+  (the same chunks as fused Pallas kernels; Pallas's interpreter off GPU),
+  ``"scan"`` (the paper's per-token recurrence) or ``"cumsum"``
+  (materialised prefix states). ``rho`` is the
   statistic of a data-dependent kernel, required when ``causal``: FAVOR++'s ρ
   [..., H] (``optimal_positive``) or FAVOR#'s [..., H, D+1] (``saderf``: log Ψ
   per coordinate, then ρ; see ``kernels.saderf_statistic``).

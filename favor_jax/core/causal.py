@@ -193,6 +193,27 @@ def cumsum(feature_fn, q, k, v, mask):
   return y[..., :-1], y[..., -1]
 
 
+def exponential_features(feature_fn, q, k) -> bool:
+  """Whether φ = exp(log) with a log per feature and no multiplier, for queries and keys (what the fused
+  kernels take: positive, hyperbolic, FAVOR++, FAVOR#, Hedgehog; not trigonometric, ReLU, Taylor)."""
+  fq, fk = jax.eval_shape(feature_fn, q[:, :1], k[:, :1])
+  return all(f.mult is None and f.log is not None and f.log.shape[-1] > 1 for f in (fq, fk))
+
+
+def pallas_chunk(chunk_size: int) -> bool:
+  """Whether the fused kernels take this chunk size (a power of two >= 16: Triton's block shapes)."""
+  return chunk_size >= 16 and not chunk_size & (chunk_size - 1)
+
+
+def auto(feature_fn, q, k, v, mask, *, chunk_size: int = 64, return_scale: bool = False):
+  """The fused Pallas kernels on a GPU where they apply (exponential features, a power-of-two chunk),
+  the XLA chunked pass elsewhere; the same estimator either way."""
+  fused = (jax.default_backend() == "gpu" and pallas_chunk(chunk_size)
+           and exponential_features(feature_fn, q, k))
+  run = pallas if fused else chunked
+  return run(feature_fn, q, k, v, mask, chunk_size=chunk_size, return_scale=return_scale)
+
+
 def pallas(feature_fn, q, k, v, mask, *, chunk_size: int = 64, return_scale: bool = False):
   """The chunked pass as fused Pallas kernels (:mod:`favor_jax.core.pallas`; loaded on first use)."""
   from favor_jax.core import pallas as pallas_lib
@@ -200,4 +221,4 @@ def pallas(feature_fn, q, k, v, mask, *, chunk_size: int = 64, return_scale: boo
   return pallas_lib.causal(feature_fn, q, k, v, mask, chunk_size=chunk_size, return_scale=return_scale)
 
 
-CAUSAL_METHODS = {"chunked": chunked, "scan": scan, "cumsum": cumsum, "pallas": pallas}
+CAUSAL_METHODS = {"auto": auto, "chunked": chunked, "pallas": pallas, "scan": scan, "cumsum": cumsum}

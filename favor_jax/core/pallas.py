@@ -270,9 +270,16 @@ def _fused_bwd(blocks, res, cts):
 _fused.defvjp(_fused_fwd, _fused_bwd)
 
 
-def blocks_for(chunk_size: int, *, num_warps: int = 4, block_f: int = 64, interpret: bool | None = None) -> Blocks:
+# Launch choices on a GPU, the fastest of the block-size sweep (experiments/configs/blocks.py) on an H200 in
+# bfloat16, B=1 H=8 D=64 M=256 (experiments/results/pallas_h200_bf16): chunk 64, 4 warps, feature blocks
+# of 32, at L=4096 forward (0.450 ms) and forward + backward (1.033 ms; 1.202 ms with blocks of 64).
+GPU_DEFAULTS = dict(chunk_size=64, num_warps=4, block_f=32)
+
+
+def blocks_for(chunk_size: int = GPU_DEFAULTS["chunk_size"], *, num_warps: int = GPU_DEFAULTS["num_warps"],
+               block_f: int = GPU_DEFAULTS["block_f"], interpret: bool | None = None) -> Blocks:
   """Launch choices; ``interpret`` None: Pallas's interpreter unless the default backend is a GPU."""
-  if chunk_size < 16 or chunk_size & (chunk_size - 1):
+  if not causal_lib.pallas_chunk(chunk_size):
     raise ValueError(f"causal_method='pallas' needs chunk_size a power of two >= 16, got {chunk_size}")
   if block_f < 16 or block_f & (block_f - 1):
     raise ValueError(f"block_f must be a power of two >= 16, got {block_f}")
@@ -292,11 +299,10 @@ def causal(feature_fn, q, k, v, mask, *, chunk_size: int = 64, blocks: Blocks | 
   ``fallback=False`` (tests only) returns the fused result even where rows lost their terms.
   """
   blocks = blocks_for(chunk_size) if blocks is None else blocks
+  if not causal_lib.exponential_features(feature_fn, q, k):
+    raise ValueError("causal_method='pallas' needs features that are exponentials with a log per feature "
+                     "(no multiplier); this kernel's are not: use causal_method='chunked'")
   fq, fk = shared.head_major(feature_fn, q, k)
-  for name, feat in (("query", fq), ("key", fk)):
-    if feat.mult is not None or feat.log is None or feat.log.shape[-1] == 1:
-      raise ValueError(f"causal_method='pallas' needs {name} features that are exponentials with a log per "
-                       "feature (mult None); this kernel's are not: use causal_method='chunked'")
   log_q, _ = shared.parts(fq)
   log_k, _ = shared.parts(fk, mask[:, None, :, None])
   n, h, length, f = log_q.shape
