@@ -12,6 +12,7 @@ import pytest
 
 from favor_jax import core
 from favor_jax.core import attention, kernels, pallas
+from favor_jax.core import causal as causal_lib
 from tests.core.test_numerics import explicit
 
 B, L, H, D, DV, M = 2, 37, 2, 8, 12, 16  # odd length (three chunks of 16, padded), Dv ≠ D
@@ -140,3 +141,21 @@ def test_forward_and_backward_lower_to_triton_for_a_gpu():
     for fn, kernels_in_it in ((loss, 2), (jax.grad(loss, argnums=(0, 1, 2, 3)), 4)):
       text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
       assert text.count("__gpu$xla.gpu.triton") == kernels_in_it
+
+
+@pytest.mark.parametrize("name", sorted(kernels.KERNELS))
+def test_auto_takes_the_fused_kernels_only_for_exponential_features_on_a_gpu(name, monkeypatch):
+  """Which kernels the fused path takes is read off the feature map (a log per feature, no multiplier);
+  off a GPU "auto" is the XLA chunked pass whatever the kernel."""
+  q, k, v, mask = _inputs(length=16)
+  proj, rho = _params(name, q, k, mask)
+  feature_fn = attention._feature_fn(name, proj, rho, q, k, mask, True)
+  assert causal_lib.exponential_features(feature_fn, q, k) == (name in FUSED)
+  taken = []
+  for method in ("chunked", "pallas"):
+    monkeypatch.setitem(causal_lib.__dict__, method, lambda *a, m=method, **kw: taken.append(m))
+  causal_lib.auto(feature_fn, q, k, v, mask, chunk_size=16)
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  causal_lib.auto(feature_fn, q, k, v, mask, chunk_size=16)
+  causal_lib.auto(feature_fn, q, k, v, mask, chunk_size=24)  # not a power of two: the XLA pass
+  assert taken == ["chunked", "pallas" if name in FUSED else "chunked", "chunked"]
