@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float
 
 from favor_jax import core
+from favor_jax.core import causal as causal_lib
 
 __all__ = ["make_attention_fn", "draw_projection", "redraw_due", "distillation_loss", "PROJECTIONS"]
 
@@ -57,9 +58,10 @@ def _check_optional_size(name, value) -> None:
 
 
 def check_favor_args(*, num_features, kernel, projection, causal, decode, window=0, per_head_projection=None,
-                     qk_head_dim=None) -> None:
+                     qk_head_dim=None, causal_method="auto") -> None:
   """The checks every FavorAttention layer (Linen and NNX) makes of its FAVOR arguments."""
   core.get_kernel(kernel)
+  check_causal_method(causal_method, "window > 0 (hybrid attention)" if window else None)
   role = projection_role(kernel)
   _check_optional_size("num_features", num_features)
   if projection is not None and projection not in PROJECTIONS:
@@ -207,11 +209,21 @@ def updated_statistic(kernel, running, query, key, key_mask, momentum: float):
   return jax.tree.map(step, running, batch_stat)
 
 
-def attend(query, key, value, projection, *, window: int = 0, **kwargs):
+def attend(query, key, value, projection, *, window: int = 0, causal_method: str = "auto", **kwargs):
   """``core.favor_attention``, or ``core.hybrid_attention`` (exact softmax within ``window``) if window > 0."""
   if window:
+    check_causal_method(causal_method, "window > 0 (hybrid attention)")
     return core.hybrid_attention(query, key, value, projection, window=window, **kwargs)
-  return core.favor_attention(query, key, value, projection, **kwargs)
+  return core.favor_attention(query, key, value, projection, causal_method=causal_method, **kwargs)
+
+
+def check_causal_method(causal_method, only_chunked_because: str | None = None) -> None:
+  """A known causal method; where only the XLA chunked pass runs (hybrid, sequence-parallel), "auto" or
+  "chunked" only: another choice would be ignored there."""
+  core.checks.check_causal_method(causal_method, causal_lib.CAUSAL_METHODS)
+  if only_chunked_because and causal_method not in ("auto", "chunked"):
+    raise ValueError(f"causal_method={causal_method!r} cannot apply with {only_chunked_because}, which runs the "
+                     "XLA chunked pass: use causal_method='auto' or 'chunked'")
 
 
 def make_attention_fn(
@@ -222,6 +234,7 @@ def make_attention_fn(
     rho=None,
     chunk_size: int = 64,
     window: int = 0,
+    causal_method: str = "auto",
 ) -> Callable[..., Array]:
   """An ``attention_fn`` computing :func:`favor_attention` with a fixed ``projection``.
 
@@ -230,13 +243,16 @@ def make_attention_fn(
   shared by the heads, [H, M, D] one per head, or None for a kernel that uses
   none (``taylor``, ``elu_plus_one``). ``window`` > 0: exact softmax for keys
   within ``window`` positions and the kernel's estimate for the rest
-  (:func:`core.hybrid_attention`). Key-padding masks are
+  (:func:`core.hybrid_attention`). ``causal_method``: as in
+  :func:`core.favor_attention` ("auto": fused Pallas kernels on a GPU where
+  they apply). Key-padding masks are
   honoured; ``causal=True`` here or ``is_causal=True`` from NNX gives causal
   attention; full masks, ``bias``, attention dropout, ``sow_weights`` and
   unknown keywords with a non-default value raise instead of being ignored.
   """
   core.get_kernel(kernel)  # unknown names fail here, not at the first call
   core.checks.check_window(window)
+  check_causal_method(causal_method, "window > 0 (hybrid attention)" if window else None)
 
   def attention_fn(query, key, value, bias=None, mask=None, broadcast_dropout=True, dropout_rng=None,
                    dropout_rate=0.0, deterministic=False, dtype=None, precision=None, module=None,
@@ -258,7 +274,7 @@ def make_attention_fn(
     with precision_scope(precision):
       out = attend(query, key, value, projection, window=window, kernel=kernel,
                    causal=bool(causal or is_causal), key_mask=key_mask_from_flax(mask, key), rho=rho,
-                   chunk_size=chunk_size)
+                   chunk_size=chunk_size, causal_method=causal_method)
     return out if dtype is None else out.astype(dtype)
 
   return attention_fn

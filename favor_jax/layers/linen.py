@@ -79,6 +79,8 @@ class FavorAttention(nn.MultiHeadDotProductAttention):
     the kernel's estimate for the rest (``core.hybrid_attention``; Scatterbrain).
   - ``qk_head_dim``: query/key head dim when it differs from the value head dim
     (``qkv_features // num_heads``), as Based's Taylor layers (16) do.
+  - ``causal_method``: as in ``core.favor_attention`` ("auto": the fused Pallas
+    kernels on a GPU where they apply, the XLA chunked pass elsewhere).
   - ``causal``, ``chunk_size`` (causal chunks) and ``rho_momentum`` (running
     statistic of a causal data-dependent kernel, updated when
     ``deterministic=False`` and the ``favor`` collection is mutable, and only
@@ -92,6 +94,7 @@ class FavorAttention(nn.MultiHeadDotProductAttention):
   qk_head_dim: int | None = None
   causal: bool = False
   chunk_size: int = 64
+  causal_method: str = "auto"
   rho_momentum: float = 0.99
   qk_transform: Callable[[Array, Array], tuple[Array, Array]] | None = None
   mesh: Mesh | None = None
@@ -105,7 +108,10 @@ class FavorAttention(nn.MultiHeadDotProductAttention):
       raise ValueError("attention-weight einsum classes do not apply to FAVOR attention")
     layers.check_favor_args(num_features=self.num_features, kernel=self.kernel, projection=self.projection,
                             causal=self.causal, decode=self.decode, window=self.window,
-                            per_head_projection=self.per_head_projection, qk_head_dim=self.qk_head_dim)
+                            per_head_projection=self.per_head_projection, qk_head_dim=self.qk_head_dim,
+                            causal_method=self.causal_method)
+    if self.sequence_axis is not None:
+      layers.check_causal_method(self.causal_method, "sequence_axis (sequence-parallel attention)")
     if (self.mesh is None) != (self.sequence_axis is None):
       raise ValueError("sequence-parallel attention needs both mesh and sequence_axis (or neither)")
     if self.decode and self.sequence_axis is not None:
@@ -162,7 +168,8 @@ class FavorAttention(nn.MultiHeadDotProductAttention):
             query, key, value, projection, mesh=self.mesh, axis_name=self.sequence_axis,
             batch_axis=self.batch_axis, causal=self.causal, **attend)
       else:
-        x = layers.attend(query, key, value, projection, window=self.window, causal=self.causal, **attend)
+        x = layers.attend(query, key, value, projection, window=self.window, causal=self.causal,
+                          causal_method=self.causal_method, **attend)
     return nn.DenseGeneral(
         features=features, axis=(-2, -1), kernel_init=self.out_kernel_init or self.kernel_init,
         bias_init=self.out_bias_init or self.bias_init, use_bias=self.use_bias, dtype=self.dtype,

@@ -56,17 +56,18 @@ class FavorAttention(nnx.MultiHeadAttention):
   per head for learned kernels only). ``window`` > 0: exact softmax within the
   window plus the kernel's estimate elsewhere (``core.hybrid_attention``).
   ``qk_head_dim``: query/key head dim, when it differs from the value's.
-  ``decode=True`` with :meth:`init_cache` decodes token by token from a
-  constant-size state (plus the last ``window`` keys and values). Causal
-  data-dependent layers (FAVOR++) keep a running statistic, updated in training
-  (``deterministic=False``) after the step that used the old value.
+  ``causal_method``: as in ``core.favor_attention``. ``decode=True`` with
+  :meth:`init_cache` decodes token by token from a constant-size state (plus
+  the last ``window`` keys and values). Causal data-dependent layers (FAVOR++)
+  keep a running statistic, updated in training (``deterministic=False``)
+  after the step that used the old value.
   """
 
   def __init__(self, num_heads: int, in_features: int, qkv_features: int | None = None,
                out_features: int | None = None, *, num_features: int | None = None, kernel: str = "positive",
                projection: str | None = None, per_head_projection: bool | None = None, window: int = 0,
                qk_head_dim: int | None = None, causal: bool = False, chunk_size: int = 64,
-               rho_momentum: float = 0.99, rngs: nnx.Rngs, **flax_kwargs):
+               causal_method: str = "auto", rho_momentum: float = 0.99, rngs: nnx.Rngs, **flax_kwargs):
     if "attention_fn" in flax_kwargs:
       raise ValueError("FavorAttention computes its own attention; do not pass attention_fn")
     if flax_kwargs.get("num_kv_heads") not in (None, num_heads):
@@ -74,13 +75,15 @@ class FavorAttention(nnx.MultiHeadAttention):
                        f"got {flax_kwargs['num_kv_heads']}")
     layers.check_favor_args(num_features=num_features, kernel=kernel, projection=projection, causal=causal,
                             decode=flax_kwargs.get("decode", False), window=window,
-                            per_head_projection=per_head_projection, qk_head_dim=qk_head_dim)
+                            per_head_projection=per_head_projection, qk_head_dim=qk_head_dim,
+                            causal_method=causal_method)
     super().__init__(num_heads, in_features, qkv_features, out_features, rngs=rngs, **flax_kwargs)
     self.kernel = kernel
     self.projection_kind = layers.projection_kind(projection)
     self.window = window
     self.causal = causal
     self.chunk_size = chunk_size
+    self.causal_method = causal_method
     self.rho_momentum = rho_momentum
     self.qk_head_dim = qk_head_dim or self.head_dim
     if self.qk_head_dim != self.head_dim:
@@ -192,5 +195,6 @@ class FavorAttention(nnx.MultiHeadAttention):
                                           **attend)
         self.decode_state.set_value(state)
       else:
-        x = layers.attend(query, key, value, projection, causal=self.causal, **attend)
+        x = layers.attend(query, key, value, projection, causal=self.causal, causal_method=self.causal_method,
+                          **attend)
     return self.out(x)
