@@ -1,7 +1,7 @@
 """Block sizes of the causal pass, from measurement: the XLA pass's chunk size and the fused Pallas
 kernels' (chunk, Triton warps, feature block), each timed forward and forward + backward at each L.
 
-The library's GPU defaults (``favor_jax.core.pallas.GPU_BLOCKS``) come from this table, committed under
+The library's GPU defaults (``favor_jax.core.fused.GPU_DEFAULTS``) come from this table, committed under
 experiments/results/. Timing as in the speed study (jit, arrays as arguments, one warm-up, median); the
 fused kernels are timed without the XLA re-run they fall back to (it runs only when rows lost their
 terms, never on these inputs), so a configuration compiles in seconds. A configuration that fails to
@@ -18,14 +18,14 @@ import jax.numpy as jnp
 
 from experiments import plotting, speed
 from favor_jax import core
-from favor_jax.core import attention, pallas, shared
+from favor_jax.core import attention, fused, shared
 
 
 def _pallas_attention(blocks, q, k, v, p):
   """FAVOR+ causal through the fused kernels with these launch choices (what favor_attention runs)."""
   feature_fn = attention._feature_fn("positive", p, None, q, k, None, True)
   mask = jnp.ones(q.shape[:2], bool)
-  num, den = pallas.causal(feature_fn, q, k, v.astype(jnp.float32), mask, blocks=blocks, fallback=False)
+  num, den = fused.causal(feature_fn, q, k, v.astype(jnp.float32), mask, blocks=blocks, fallback=False)
   return shared.divide(num, den).astype(q.dtype)
 
 
@@ -38,7 +38,7 @@ def configurations(config):
 def _fn(path, chunk, num_warps, block_f):
   if path == "xla":
     return lambda q, k, v, p: core.favor_attention(q, k, v, p, causal=True, chunk_size=chunk)
-  return functools.partial(_pallas_attention, pallas.blocks_for(chunk, num_warps=num_warps, block_f=block_f))
+  return functools.partial(_pallas_attention, fused.blocks_for(chunk, num_warps=num_warps, block_f=block_f))
 
 
 def run(config, progress=print, workdir=None):

@@ -46,7 +46,7 @@ PY
 
 stage "Pallas tests on the GPU (compiled kernels, not the interpreter)"
 XLA_PYTHON_CLIENT_PREALLOCATE=false timeout "${TEST_TIMEOUT:-150}" \
-  python3 -m pytest -o addopts="" -q -n 4 -p no:cacheprovider tests/core/test_pallas.py 2>&1 | tail -30
+  python3 -m pytest -o addopts="" -q -n 4 -p no:cacheprovider tests/core/test_fused.py 2>&1 | tail -30
 
 stage "speed study: causal, bfloat16, cuDNN vs XLA chunked vs fused Pallas"
 timeout "${SPEED_TIMEOUT:-200}" python3 -m experiments.main --config=experiments/configs/speed.py \

@@ -1,6 +1,6 @@
 """Block sizes of the causal pass (XLA chunk size; fused Pallas kernels' chunk, warps, feature block).
 
-    # on a GPU (experiments/gpu_check.sh runs it); the GPU defaults in favor_jax.core.pallas come from it:
+    # on a GPU (experiments/gpu_check.sh runs it); the GPU defaults in favor_jax.core.fused come from it:
     python -m experiments.main --config=experiments/configs/blocks.py --workdir=workdir/blocks \
         --config.dtype=bfloat16
     python -m experiments.main --config=experiments/configs/blocks.py:quick --workdir=/tmp/b   # CPU smoke

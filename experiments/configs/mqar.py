@@ -39,6 +39,11 @@ def get_config(arg=None):
       ("positive_m64_w16", favor("positive", num_features=64, window=16)),
       ("hedgehog", favor("hedgehog")),
       ("saderf_m64", favor("saderf", num_features=64)))
+  # The recall-memory sweep over key-value pairs (Zoology): softmax, FAVOR+ and the best linear-time
+  # variant at 8 pairs (Hedgehog), again at 16 and 32 pairs ("NAME_kvN"; the runs above are 8 pairs).
+  kv_sweep = [(name, fields) for name, fields in config.variants if name in ("softmax", "positive_m64", "hedgehog")]
+  config.variants += tuple((f"{name}_kv{pairs}", {**fields, "data.num_kv_pairs": pairs})
+                           for pairs in (16, 32) for name, fields in kv_sweep)
   if quick:
     config.train.update(steps=60, batch_size=32, warmup_steps=10, log_every=10, eval_every=30,
                         checkpoint_every=30)

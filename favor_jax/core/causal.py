@@ -208,17 +208,17 @@ def pallas_chunk(chunk_size: int) -> bool:
 def auto(feature_fn, q, k, v, mask, *, chunk_size: int = 64, return_scale: bool = False):
   """The fused Pallas kernels on a GPU where they apply (exponential features, a power-of-two chunk),
   the XLA chunked pass elsewhere; the same estimator either way."""
-  fused = (jax.default_backend() == "gpu" and pallas_chunk(chunk_size)
-           and exponential_features(feature_fn, q, k))
-  run = pallas if fused else chunked
+  use_fused = (jax.default_backend() == "gpu" and pallas_chunk(chunk_size)
+               and exponential_features(feature_fn, q, k))
+  run = pallas if use_fused else chunked
   return run(feature_fn, q, k, v, mask, chunk_size=chunk_size, return_scale=return_scale)
 
 
 def pallas(feature_fn, q, k, v, mask, *, chunk_size: int = 64, return_scale: bool = False):
-  """The chunked pass as fused Pallas kernels (:mod:`favor_jax.core.pallas`; loaded on first use)."""
-  from favor_jax.core import pallas as pallas_lib
+  """The chunked pass as fused Pallas kernels (:mod:`favor_jax.core.fused`; loaded on first use)."""
+  from favor_jax.core import fused
 
-  return pallas_lib.causal(feature_fn, q, k, v, mask, chunk_size=chunk_size, return_scale=return_scale)
+  return fused.causal(feature_fn, q, k, v, mask, chunk_size=chunk_size, return_scale=return_scale)
 
 
 CAUSAL_METHODS = {"auto": auto, "chunked": chunked, "pallas": pallas, "scan": scan, "cumsum": cumsum}

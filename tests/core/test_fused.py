@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from favor_jax import core
-from favor_jax.core import attention, kernels, pallas
+from favor_jax.core import attention, fused, kernels
 from favor_jax.core import causal as causal_lib
 from tests.core.test_numerics import explicit
 
@@ -42,7 +42,7 @@ def _fused(name, fallback=True, chunk=16):
 
   def run(q, k, v, proj, rho, mask):
     feature_fn = attention._feature_fn(name, proj, rho, q, k, mask, True)
-    return pallas.causal(feature_fn, q, k, v, mask, chunk_size=chunk, return_scale=True, fallback=fallback)
+    return fused.causal(feature_fn, q, k, v, mask, chunk_size=chunk, return_scale=True, fallback=fallback)
 
   return jax.jit(run)
 
@@ -57,7 +57,7 @@ def test_fused_kernels_equal_the_explicit_form_and_the_scan_gradients(name):
   q, k, v, mask = _inputs()
   proj, rho = _params(name, q, k, mask)
   num, den, scale = _fused(name, fallback=False)(q, k, v, proj, rho, mask)
-  assert not np.any(pallas.lost_rows(den, scale)), "the fused path itself must be what is checked at ×1"
+  assert not np.any(fused.lost_rows(den, scale)), "the fused path itself must be what is checked at ×1"
   want, _ = explicit(name, q, k, v, proj, rho, mask, causal=True)
   np.testing.assert_allclose(_ratio(num, den), want, atol=1e-5 * np.max(np.abs(want)))
   # Rows that see no key: zero, with scale −∞.
@@ -86,7 +86,7 @@ def test_large_inputs_are_redone_exactly_never_zero_rows():
     np.testing.assert_allclose(got, want, atol=1e-5 * scale ** 2 * np.max(np.abs(want)), err_msg=f"×{scale}")
     assert not np.any(np.all(np.asarray(got) == 0, -1) & ~np.all(want == 0, -1))
   num, den, scale = _fused("positive", fallback=False)(q, k, v, proj, rho, mask)
-  assert np.any(pallas.lost_rows(den, scale)), "×20 must exercise the detection"
+  assert np.any(fused.lost_rows(den, scale)), "×20 must exercise the detection"
 
 
 def test_a_huge_future_key_changes_no_earlier_row_and_gets_no_gradient_from_it():
@@ -129,11 +129,11 @@ def test_forward_and_backward_lower_to_triton_for_a_gpu():
   """What a GPU compiles: Pallas lowers every kernel to Triton here too (unsupported operations fail now)."""
   q, k, v, mask = (x[:1] for x in _inputs(length=128))
   proj, _ = _params("positive", q, k, mask)
-  blocks = pallas.blocks_for(64, interpret=False)
+  blocks = fused.blocks_for(64, interpret=False)
 
   def loss(q, k, v, proj):
     feature_fn = attention._feature_fn("positive", proj, None, q, k, mask, True)
-    num, den = pallas.causal(feature_fn, q, k, v, mask, blocks=blocks)
+    num, den = fused.causal(feature_fn, q, k, v, mask, blocks=blocks)
     return jnp.sum(num / den[..., None])
 
   for dtype in (jnp.float32, jnp.bfloat16):
