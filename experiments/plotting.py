@@ -114,10 +114,11 @@ def quality_vs_state(rows: list[dict], metric: str, label, path: str) -> str:
   """The recall–memory frontier (Zoology, Based): ``metric`` against each run's decoding state size.
 
   One point per row (``label(row)`` names it), one panel per number of key-value pairs (MQAR) or a single
-  panel; the state axis is log-scaled. Softmax's state is its key-value cache at the training length.
+  panel; the state axis is log-scaled, the metric axis shared by the panels (small differences are not
+  magnified). Softmax's state is its key-value cache at the training length.
   """
   panels = sorted({r.get("num_kv_pairs", 0) for r in rows})
-  fig, axes = subplots(1, len(panels), figsize=(4.6 * len(panels), 3.8), squeeze=False)
+  fig, axes = subplots(1, len(panels), figsize=(4.6 * len(panels), 3.8), squeeze=False, sharey=True)
   names = sorted({label(r) for r in rows})
   marker = dict(zip(names, itertools.cycle("osD^vP*Xph<>")))
   style = dict(zip(names, styles(len(names))))
