@@ -200,15 +200,16 @@ def exponential_features(feature_fn, q, k) -> bool:
   return all(f.mult is None and f.log is not None and f.log.shape[-1] > 1 for f in (fq, fk))
 
 
-def pallas_chunk(chunk_size: int) -> bool:
-  """Whether the fused kernels take this chunk size (a power of two >= 16: Triton's block shapes)."""
-  return chunk_size >= 16 and not chunk_size & (chunk_size - 1)
+def pallas_block(size: int) -> bool:
+  """Whether the fused kernels take this block size (chunk, feature block): a power of two >= 16,
+  Triton's block shapes."""
+  return size >= 16 and not size & (size - 1)
 
 
 def auto(feature_fn, q, k, v, mask, *, chunk_size: int = 64, return_scale: bool = False):
   """The fused Pallas kernels on a GPU where they apply (exponential features, a power-of-two chunk),
   the XLA chunked pass elsewhere; the same estimator either way."""
-  use_fused = (jax.default_backend() == "gpu" and pallas_chunk(chunk_size)
+  use_fused = (jax.default_backend() == "gpu" and pallas_block(chunk_size)
                and exponential_features(feature_fn, q, k))
   run = pallas if use_fused else chunked
   return run(feature_fn, q, k, v, mask, chunk_size=chunk_size, return_scale=return_scale)

@@ -279,9 +279,9 @@ GPU_DEFAULTS = dict(chunk_size=64, num_warps=4, block_f=32)
 def blocks_for(chunk_size: int = GPU_DEFAULTS["chunk_size"], *, num_warps: int = GPU_DEFAULTS["num_warps"],
                block_f: int = GPU_DEFAULTS["block_f"], interpret: bool | None = None) -> Blocks:
   """Launch choices; ``interpret`` None: Pallas's interpreter unless the default backend is a GPU."""
-  if not causal_lib.pallas_chunk(chunk_size):
+  if not causal_lib.pallas_block(chunk_size):
     raise ValueError(f"causal_method='pallas' needs chunk_size a power of two >= 16, got {chunk_size}")
-  if block_f < 16 or block_f & (block_f - 1):
+  if not causal_lib.pallas_block(block_f):
     raise ValueError(f"block_f must be a power of two >= 16, got {block_f}")
   if interpret is None:
     interpret = jax.default_backend() != "gpu"

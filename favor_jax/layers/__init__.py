@@ -210,9 +210,9 @@ def updated_statistic(kernel, running, query, key, key_mask, momentum: float):
 
 
 def attend(query, key, value, projection, *, window: int = 0, causal_method: str = "auto", **kwargs):
-  """``core.favor_attention``, or ``core.hybrid_attention`` (exact softmax within ``window``) if window > 0."""
+  """``core.favor_attention``, or ``core.hybrid_attention`` (exact softmax within ``window``) if window > 0.
+  Its callers have checked ``causal_method`` against the window (``check_favor_args``, ``make_attention_fn``)."""
   if window:
-    check_causal_method(causal_method, "window > 0 (hybrid attention)")
     return core.hybrid_attention(query, key, value, projection, window=window, **kwargs)
   return core.favor_attention(query, key, value, projection, causal_method=causal_method, **kwargs)
 
