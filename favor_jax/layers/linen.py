@@ -228,7 +228,8 @@ class FavorAttention(nn.MultiHeadDotProductAttention):
       state = empty()
       for name in fields:
         self.variable("cache", name, lambda name=name: getattr(state, name))
-      return layers.attend(query, key, value, projection, causal=True, window=self.window, **attend)
+      return layers.attend(query, key, value, projection, causal=True, window=self.window,
+                           causal_method=self.causal_method, **attend)
     cache = [self.variable("cache", name) for name in fields]
     state = state_type(*(c.value for c in cache))
     state, x = core.favor_decode_step(state, query, key, value, projection, window=self.window, **attend)
