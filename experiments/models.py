@@ -82,15 +82,32 @@ def attention_layer(attention, num_heads: int, causal: bool, positions: str, nam
       batch_axis=attention.batch_axis, name=name)
 
 
+class ShortConv(nn.Module):
+  """Causal depthwise convolution over the last ``width`` positions, per channel (Based's and Zoology's short
+  convolution; H3's shift): position t mixes tokens t-width+1..t, so the residual stream carries the
+  previous tokens' identity, which recall's induction step needs and a linear-attention layer cannot
+  single out. Decoding keeps the last width-1 inputs."""
+  width: int
+
+  @nn.compact
+  def __call__(self, x_BLD):
+    d_model = x_BLD.shape[-1]
+    return nn.Conv(d_model, kernel_size=(self.width,), padding=((self.width - 1, 0),),
+                   feature_group_count=d_model, name="conv")(x_BLD)
+
+
 class Block(nn.Module):
   attention: AttentionSpec
   num_heads: int
   mlp_dim: int
   causal: bool
   positions: str
+  short_conv: int = 0  # > 0: a residual ShortConv of this width before attention (0 = none)
 
   @nn.compact
   def __call__(self, x_BLD, mask, train: bool):
+    if self.short_conv:
+      x_BLD = x_BLD + ShortConv(self.short_conv, name="short_conv")(nn.LayerNorm(name="ln_conv")(x_BLD))
     attend = attention_layer(self.attention, self.num_heads, self.causal, self.positions, "attention")
     x_BLD = x_BLD + attend(nn.LayerNorm(name="ln_attention")(x_BLD), mask=mask, deterministic=not train)
     h_BLF = nn.gelu(nn.Dense(self.mlp_dim, name="mlp_in")(nn.LayerNorm(name="ln_mlp")(x_BLD)))
@@ -113,6 +130,7 @@ class Transformer(nn.Module):
   mlp_dim: int
   positions: str
   attention: AttentionSpec
+  short_conv: int = 0  # > 0: each block starts with a residual causal depthwise convolution of this width
 
   @nn.compact
   def __call__(self, tokens_BL: Int[Array, "B L"], train: bool = False) -> Array:
@@ -128,7 +146,8 @@ class Transformer(nn.Module):
       mask = nn.make_causal_mask(tokens_BL) if self.attention.type == "softmax" else None
     else:  # classifier: remove padding keys for every query (the only mask FAVOR can honour)
       mask = pad_BL[:, None, None, :]
-    block = functools.partial(Block, self.attention, self.num_heads, self.mlp_dim, causal, self.positions)
+    block = functools.partial(Block, self.attention, self.num_heads, self.mlp_dim, causal, self.positions,
+                              self.short_conv)
     for i in range(self.num_layers):
       x_BLD = block(name=f"block_{i}")(x_BLD, mask, train)
     x_BLD = nn.LayerNorm(name="ln_final")(x_BLD)
@@ -145,7 +164,7 @@ def make_model(config, vocab_size: int, num_classes: int, max_len: int, mesh: Me
   parallel = mesh is not None and mesh.shape.get("sequence", 1) > 1
   return Transformer(vocab_size=vocab_size, num_classes=num_classes, max_len=max_len, d_model=m.d_model,
                      num_layers=m.num_layers, num_heads=m.num_heads, mlp_dim=m.mlp_dim,
-                     positions=m.positions, attention=AttentionSpec(
+                     positions=m.positions, short_conv=m.short_conv, attention=AttentionSpec(
                          type=a.type, kernel=a.kernel, num_features=a.num_features,
                          projection=a.projection, chunk_size=a.chunk_size, window=a.window, qk_head_dim=a.qk_head_dim,
                          mesh=mesh if parallel else None,
@@ -158,12 +177,14 @@ def decode_state_size(config, seq_len: int) -> int:
   Softmax: its key-value cache, L·H·2·D (grows with L). FAVOR: the arrays of
   ``core.favor_decode_init`` for the config's kernel, features and window (the
   recurrent state F·(Dv+1) and running maximum F per head; with a window also
-  its W keys and values), read off their shapes, independent of L.
+  its W keys and values), read off their shapes, independent of L. A short convolution of width K adds the
+  block's last K-1 inputs, (K-1)·d_model.
   """
   m, a = config.model, config.attention
   heads, head_dim = m.num_heads, m.d_model // m.num_heads
+  conv = max(m.short_conv - 1, 0) * m.d_model
   if a.type == "softmax":
-    return seq_len * heads * 2 * head_dim
+    return conv + seq_len * heads * 2 * head_dim
   qk_dim = a.qk_head_dim or head_dim
   random = layers.projection_role(a.kernel) == "random"
 
@@ -174,4 +195,4 @@ def decode_state_size(config, seq_len: int) -> int:
     return core.favor_decode_init(jnp.zeros((1, 1, heads, qk_dim)), jnp.zeros((1, 1, heads, head_dim)),
                                   projection, kernel=a.kernel, window=a.window)
 
-  return sum(math.prod(x.shape) for x in jax.tree.leaves(jax.eval_shape(empty_state)))
+  return conv + sum(math.prod(x.shape) for x in jax.tree.leaves(jax.eval_shape(empty_state)))

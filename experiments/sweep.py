@@ -52,7 +52,7 @@ def attention_fields(config) -> dict:
   random = favor and layers.projection_role(a.kernel) == "random"
   return dict(attention=a.type, kernel=a.kernel if favor else "", num_features=a.num_features if random else 0,
               projection=a.projection if random else "", redraw_every=a.redraw_every,
-              window=a.window if favor else 0, qk_head_dim=a.qk_head_dim)
+              window=a.window if favor else 0, qk_head_dim=a.qk_head_dim, short_conv=config.model.short_conv)
 
 
 def final_record(name: str, config, records: list[dict]) -> dict:
@@ -86,7 +86,7 @@ def _main_metric(records):
 
 # Fields that make runs the same setting (all but the seed): mean_over_seeds groups on them.
 SETTING = ("task", "attention", "kernel", "num_features", "projection", "redraw_every", "window", "qk_head_dim",
-           "seq_len", "num_kv_pairs", "steps")
+           "short_conv", "seq_len", "num_kv_pairs", "steps")
 
 
 def mean_over_seeds(records: list[dict], metric: str) -> list[dict]:
@@ -105,9 +105,10 @@ def mean_over_seeds(records: list[dict], metric: str) -> list[dict]:
 
 
 def setting(r) -> str:
-  """What a run's attention is, in words: "softmax", "taylor d=16 + window 16", "positive M=64"."""
+  """What a run's attention is, in words: "softmax", "taylor d=16 + window 16", "positive M=64 + conv 4"."""
+  conv = f" + conv {r['short_conv']}" if r.get("short_conv") else ""  # records from before the field: none
   if r["attention"] == "softmax":
-    return "softmax"
+    return "softmax" + conv
   parts = [r["kernel"]]
   if r["num_features"]:
     parts.append(f"M={r['num_features']}")
@@ -115,7 +116,7 @@ def setting(r) -> str:
     parts.append(f"d={r['qk_head_dim']}")
   if r["redraw_every"]:
     parts.append(f"redraw {r['redraw_every']}")
-  return " ".join(parts) + (f" + window {r['window']}" if r["window"] else "")
+  return " ".join(parts) + (f" + window {r['window']}" if r["window"] else "") + conv
 
 
 def summarize(records: list[dict], config) -> str:
@@ -138,14 +139,14 @@ def summarize(records: list[dict], config) -> str:
               f"| {r['spread']:.4f} | {r['best_eval_accuracy']:.4f} |" for r in settings]
   softmax = [r for r in settings if r["attention"] == "softmax"]
   for base in softmax:
-    others = [r for r in settings if r["attention"] == "favor" and r["num_kv_pairs"] == base["num_kv_pairs"]
-              and r["seq_len"] == base["seq_len"]]
+    others = [r for r in settings if r["attention"] == "favor"
+              and all(r.get(f) == base.get(f) for f in ("num_kv_pairs", "seq_len", "short_conv"))]
     if others:
       pairs = f", {base['num_kv_pairs']} kv pairs" if base["num_kv_pairs"] else ""
       lines += ["", f"Relative to softmax ({base['name']}{pairs}, mean over seeds): {metric} ratio run / softmax"]
       lines += [f"- {r['name']}: {r[metric] / base[metric]:.3f}" for r in others]
   pairs = [(r, s) for r in records for s in records if r["redraw_every"] and not s["redraw_every"]
-           and all(r[f] == s[f] for f in SETTING if f != "redraw_every") and r["seed"] == s["seed"]]
+           and all(r.get(f) == s.get(f) for f in SETTING if f != "redraw_every") and r["seed"] == s["seed"]]
   if pairs:
     lines += ["", "## Feature redraw (same setting and seed)", "",
               f"| kernel | M | redraw every | {metric} with redraw | without | best acc with | without |",

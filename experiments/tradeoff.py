@@ -3,8 +3,9 @@ throughput, timed here one variant at a time (not taken from the runs, which may
 
 For each (study, results directory): the directory's ``config.json`` (the config that ran) rebuilds each
 run's variant; its train step is compiled and timed (median of ``timing_repeats`` blocks of ``timing_steps``
-steps, on the study's own batch size and length). Records: quality (the study's headline metric), decoding
-state, steps/s.
+steps, on the study's own batch size and length), and so is one step of the same model on one sequence of
+``long_length`` tokens, where linear-time attention should pay off. Records: quality (the study's headline
+metric), decoding state, steps/s, seconds per long step.
 """
 
 from __future__ import annotations
@@ -14,9 +15,10 @@ import json
 import os
 
 import jax
+import jax.numpy as jnp
 import ml_collections
 
-from experiments import plotting, sweep, training
+from experiments import models, plotting, sweep, tasks, training
 from experiments.timing import median_of
 
 
@@ -32,6 +34,8 @@ def load_study(directory: str) -> tuple[ml_collections.ConfigDict, list[dict]]:
     records = json.load(f)
   if config.get("experiment") != "train":
     raise ValueError(f"{directory} holds a {config.get('experiment')!r} study, not a training study")
+  if "short_conv" not in config.model:  # studies committed before the field ran without one
+    config.model.short_conv = 0
   return config, records
 
 
@@ -40,12 +44,20 @@ def _variants(config):
   return config
 
 
-def steps_per_second(config, steps: int, repeats: int) -> float:
-  """Training steps per second of ``config`` on this machine (one device), compile excluded."""
+def _timing_setup(config, length: int = 0):
+  """``config``'s task, optimiser, fresh state and train step on one device; with ``length``, the step of the
+  same model at that many tokens (rotary positions: the parameters do not depend on the length)."""
   config = copy.deepcopy(config)
   config.mesh.update(data=1, sequence=1)
   run = training.build(config)
-  step = training.make_train_step(run.model, run.optimizer, config.attention.redraw_every, jax.random.PRNGKey(1))
+  model = models.make_model(config, run.task.vocab_size, run.task.num_classes, length) if length else run.model
+  step = training.make_train_step(model, run.optimizer, config.attention.redraw_every, jax.random.PRNGKey(1))
+  return run, step
+
+
+def steps_per_second(config, steps: int, repeats: int) -> float:
+  """Training steps per second of ``config`` on this machine (one device), compile excluded."""
+  run, step = _timing_setup(config)
   batches = [run.task.train_batch(i) for i in range(steps)]
 
   def block():
@@ -57,7 +69,21 @@ def steps_per_second(config, steps: int, repeats: int) -> float:
   return steps / median_of(block, repeats)
 
 
+def long_step_seconds(config, length: int, repeats: int) -> float:
+  """Seconds of one train step (forward, backward, update) of ``config``'s model on one sequence of
+  ``length`` tokens, compile excluded: where a linear-time layer should pay off."""
+  if config.task == "listops" or config.model.positions != "rotary":
+    raise ValueError(f"long_length: a {config.task!r} study with {config.model.positions!r} positions cannot "
+                     "run its model at another length (needs a language model with rotary positions)")
+  run, step = _timing_setup(config, length)
+  tokens = jax.random.randint(jax.random.PRNGKey(0), (1, length), 1, run.task.vocab_size)
+  batch = tasks.Batch(tokens, tokens, jnp.ones(tokens.shape, jnp.float32))
+  return median_of(lambda: jax.block_until_ready(step(run.state, batch).params), repeats)
+
+
 def run(config, progress=print, workdir=None):
+  """Per study, its runs at the study's own task (variants that change ``data.*``, e.g. MQAR's other pair
+  counts, are left out); each setting timed once (seeds of a setting share its times)."""
   out = []
   for study, directory in config.studies:
     ran, records = load_study(directory)
@@ -65,43 +91,66 @@ def run(config, progress=print, workdir=None):
     ran.only = ",".join(r["name"] for r in records)
     variants = dict(sweep.variant_configs(ran))
     metric = sweep._main_metric(records)
+    times = {}
     for r in records:
-      rate = steps_per_second(variants[r["name"]], config.timing_steps, config.timing_repeats)
+      if variants[r["name"]].data != ran.data:
+        continue
+      key = tuple(r.get(f) for f in sweep.SETTING)
+      if key not in times:
+        times[key] = (steps_per_second(variants[r["name"]], config.timing_steps, config.timing_repeats),
+                      long_step_seconds(variants[r["name"]], config.long_length, config.timing_repeats)
+                      if config.long_length else float("nan"))
+      rate, seconds = times[key]
       out.append(dict(study=study, name=r["name"], setting=sweep.setting(r), metric=metric, value=r[metric],
                       seed=r["seed"], state_size=r["state_size"], seq_len=r["seq_len"],
-                      batch_size=variants[r["name"]].train.batch_size, steps_per_s=rate))
-      progress(f"{study} {r['name']:>24} {metric} {r[metric]:.4f} {rate:.2f} steps/s")
+                      batch_size=variants[r["name"]].train.batch_size, steps_per_s=rate,
+                      long_length=config.long_length, long_step_s=seconds))
+      progress(f"{study} {r['name']:>24} {metric} {r[metric]:.4f} {rate:.2f} steps/s, "
+               f"{seconds:.3f} s/step at L={config.long_length}")
   return out
 
 
 def summarize(records, config) -> str:
+  long = config.long_length
   lines = ["# Quality against training speed", "",
-           f"Quality: each study's committed result; steps/s: the run's train step timed here alone (median of "
-           f"{config.timing_repeats} × {config.timing_steps} steps after compiling).", "",
-           "| study | run | attention | L | batch | quality | decoding state | steps/s |", "|" + "---|" * 8]
+           f"Quality: each study's committed result (its own task: runs that change the data are left out); "
+           f"steps/s: the run's train step timed here alone (median of {config.timing_repeats} × "
+           f"{config.timing_steps} steps after compiling); s/step at L={long}: one train step of the same model "
+           f"on one sequence of {long} tokens (median of {config.timing_repeats}). Seeds of a setting share its "
+           "times.", "",
+           f"| study | run | attention | L | batch | quality | decoding state | steps/s | s/step at L={long} |",
+           "|" + "---|" * 9]
   for r in records:
     lines.append(f"| {r['study']} | {r['name']} | {r['setting']} | {r['seq_len']} | {r['batch_size']} | "
-                 f"{r['metric']} {r['value']:.4f} | {r['state_size']} | {r['steps_per_s']:.2f} |")
+                 f"{r['metric']} {r['value']:.4f} | {r['state_size']} | {r['steps_per_s']:.2f} | "
+                 f"{r['long_step_s']:.3f} |")
   return "\n".join(lines) + "\n"
 
 
 def plot(records, config, workdir):
+  """One column per study; top: quality against steps/s at the study's length, bottom (with a long length):
+  against seconds per step at ``long_length``. One point per setting (mean over seeds)."""
   studies = list(dict.fromkeys(r["study"] for r in records))
-  fig, axes = plotting.subplots(1, len(studies), figsize=(4.8 * len(studies), 3.8), squeeze=False)
+  axes_x = [("steps_per_s", None)] + ([("long_step_s", "log")] if config.long_length else [])
+  fig, axes = plotting.subplots(len(axes_x), len(studies), figsize=(4.8 * len(studies), 3.8 * len(axes_x)),
+                                squeeze=False)
   names = sorted({r["setting"] for r in records})
   style = dict(zip(names, plotting.styles(len(names))))
-  for ax, study in zip(axes[0], studies):
+  for column, study in enumerate(studies):
     rows = [r for r in records if r["study"] == study]
     groups: dict[str, list[dict]] = {}
     for r in rows:
       groups.setdefault(r["setting"], []).append(r)
-    for setting, runs in groups.items():
-      value = sum(r["value"] for r in runs) / len(runs)
-      rate = sum(r["steps_per_s"] for r in runs) / len(runs)
-      ax.scatter(rate, value, color=style[setting]["color"], s=40, label=setting,
-                 marker="o" if setting != "softmax" else "*")
-    ax.set(xlabel=f"training steps/s (L={rows[0]['seq_len']}, batch {rows[0]['batch_size']})",
-           ylabel=rows[0]["metric"].replace("_", " "), title=study)
-    ax.grid(alpha=0.3)
+    for (field, scale), ax in zip(axes_x, axes[:, column]):
+      for setting, runs in groups.items():
+        value = sum(r["value"] for r in runs) / len(runs)
+        ax.scatter(runs[0][field], value, color=style[setting]["color"], s=40, label=setting,
+                   marker="*" if setting.startswith("softmax") else "o")
+      xlabel = (f"training steps/s (L={rows[0]['seq_len']}, batch {rows[0]['batch_size']})" if field == "steps_per_s"
+                else f"seconds per train step (L={config.long_length}, batch 1)")
+      ax.set(xlabel=xlabel, ylabel=rows[0]["metric"].replace("_", " "), title=study)
+      if scale:
+        ax.set_xscale(scale)
+      ax.grid(alpha=0.3)
   plotting.legend_right(fig)
   return [plotting.save(fig, os.path.join(workdir, "tradeoff.png"))]

@@ -61,6 +61,8 @@ def check_config(config) -> None:
                       ("train.log_every", t.log_every), ("train.eval_every", t.eval_every),
                       ("train.checkpoint_every", t.checkpoint_every)):
     tasks.positive_int(name, value)
+  _check(isinstance(m.short_conv, int) and not isinstance(m.short_conv, bool) and m.short_conv >= 0,
+         f"model.short_conv must be an int >= 0 (0: no short convolution), got {m.short_conv!r}")
   _check(m.positions in models.POSITIONS,
          f"model.positions must be one of {models.POSITIONS}, got {m.positions!r}")
   _check(m.d_model % m.num_heads == 0,

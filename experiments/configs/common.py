@@ -125,6 +125,7 @@ def training_config(name: str, task: str, quick: bool) -> ml_collections.ConfigD
   config.model.num_heads = 4  # attention heads; head dim = d_model / num_heads
   config.model.mlp_dim = 256  # hidden width of each block's GELU MLP
   config.model.positions = "rotary"  # "learned" (absolute embeddings) or "rotary" (applied to q, k)
+  config.model.short_conv = 0  # > 0: each block opens with a residual causal depthwise conv this wide (Based)
 
   config.attention = ml_collections.ConfigDict()
   config.attention.type = "softmax"  # "softmax" (Flax's attention) or "favor" (favor_jax FavorAttention)

@@ -44,6 +44,14 @@ def get_config(arg=None):
   kv_sweep = [(name, fields) for name, fields in config.variants if name in ("softmax", "positive_m64", "hedgehog")]
   config.variants += tuple((f"{name}_kv{pairs}", {**fields, "data.num_kv_pairs": pairs})
                            for pairs in (16, 32) for name, fields in kv_sweep)
+  # Short convolutions (Based, Zoology): every block opens with a residual causal depthwise conv of width 4,
+  # the token shift that recall's induction step needs; the same model otherwise ("NAME_conv4").
+  conv = [(name, fields) for name, fields in config.variants
+          if name in ("softmax", "positive_m64", "taylor_d16_w16", "hedgehog")]
+  # Two seeds each ("NAME_conv4_seed1": train.seed = 1), then 16 pairs ("NAME_conv4_kv16").
+  conv = [(f"{name}_conv4", {**fields, "model.short_conv": 4}) for name, fields in conv]
+  config.variants += common.with_seeds(conv, (0, 1)) + tuple(
+      (f"{name}_kv16", {**fields, "data.num_kv_pairs": 16}) for name, fields in conv)
   if quick:
     config.train.update(steps=60, batch_size=32, warmup_steps=10, log_every=10, eval_every=30,
                         checkpoint_every=30)

@@ -38,9 +38,23 @@ H, D, L = 2, 16, 32  # the tiny config's heads, head dim and length
     (favor("hyperbolic", num_features=16), H * 32 * (D + 1) + H * 32),  # F = 2M
     (favor("positive", num_features=16, window=5), H * 16 * (D + 1) + H * 16 + 5 * H * 2 * D + 5 + 1),
     (favor("taylor", qk_head_dim=4), H * 15 * (D + 1) + H),  # F = 1 + 4 + 10; one maximum per head
+    (tiny(**{"model.short_conv": 4}), 3 * H * D + L * H * 2 * D),  # + the last 3 inputs of width d_model
+    (common.set_fields(favor("positive", num_features=16), {"model.short_conv": 3}),
+     2 * H * D + H * 16 * (D + 1) + H * 16),
 ])
 def test_decode_state_size_closed_forms(config, want):
   assert models.decode_state_size(config, L) == want
+
+
+def test_short_conv_is_the_causal_per_channel_sum_over_the_last_width_inputs():
+  x_BLD = jax.random.normal(jax.random.PRNGKey(0), (2, 9, 5))
+  conv = models.ShortConv(width=3)
+  variables = conv.init(jax.random.PRNGKey(1), x_BLD)
+  kernel_K1D, bias_D = (np.asarray(variables["params"]["conv"][n]) for n in ("kernel", "bias"))
+  assert kernel_K1D.shape == (3, 1, 5)  # depthwise: one filter of width 3 per channel
+  x = np.pad(np.asarray(x_BLD, np.float64), ((0, 0), (2, 0), (0, 0)))  # zeros before the first token
+  want = bias_D + sum(kernel_K1D[j, 0] * x[:, j:j + 9] for j in range(3))  # y_t = b + Σ_j w_j x_{t-2+j}
+  np.testing.assert_allclose(conv.apply(variables, x_BLD), want, atol=1e-5)
 
 
 @pytest.mark.parametrize("config, want", [
@@ -68,7 +82,7 @@ def test_qk_head_dim_reaches_the_layers_and_bad_values_stop():
 
 def _record(name, seed, accuracy, **setting):
   base = dict(name=name, task="mqar", attention="favor", kernel="positive", num_features=64, projection="orthogonal",
-              redraw_every=0, window=0, qk_head_dim=0, seq_len=128, num_kv_pairs=8, steps=10, features=64,
+              redraw_every=0, window=0, qk_head_dim=0, short_conv=0, seq_len=128, num_kv_pairs=8, steps=10, features=64,
               state_size=100, seed=seed, eval_loss=1.0, eval_accuracy=accuracy, best_eval_accuracy=accuracy,
               steps_per_s=1.0)
   return {**base, **setting}
@@ -76,15 +90,20 @@ def _record(name, seed, accuracy, **setting):
 
 def test_mean_over_seeds_groups_settings_not_names():
   records = [_record("a", 0, 0.5), _record("a_s1", 1, 0.7), _record("b", 0, 0.9, window=16),
-             _record("c", 0, 0.2, num_kv_pairs=16), _record("softmax", 0, 1.0, attention="softmax", kernel="")]
+             _record("c", 0, 0.2, num_kv_pairs=16), _record("softmax", 0, 1.0, attention="softmax", kernel=""),
+             _record("a_conv", 0, 0.95, short_conv=4),
+             _record("softmax_conv", 0, 0.5, attention="softmax", kernel="", short_conv=4)]
   rows = {r["name"]: r for r in sweep.mean_over_seeds(records, "eval_accuracy")}
-  assert set(rows) == {"a", "b", "c", "softmax"}
+  assert set(rows) == {"a", "b", "c", "softmax", "a_conv", "softmax_conv"}
   assert rows["a"]["eval_accuracy"] == pytest.approx(0.6) and rows["a"]["seeds"] == [0, 1]
   assert rows["a"]["spread"] == pytest.approx(0.2) and rows["b"]["eval_accuracy"] == 0.9
   text = sweep.summarize(records, tiny())
   assert "| a | positive M=64 | 8 | 2 | 0.6000 | 0.2000 |" in text
   assert "- a: 0.600" in text and "- b: 0.900" in text  # against softmax's 1.0 with the same kv pairs
   assert "- c:" not in text  # 16 pairs: no softmax run at 16 pairs to compare with
+  # a model with a short convolution is compared with softmax in the same model, and only with it
+  assert text.count("- a_conv:") == 1 and "- a_conv: 1.900" in text and text.count("- a:") == 1
+  assert "| a_conv | positive M=64 + conv 4 |" in text
 
 
 # --- real activations ----------------------------------------------------------------------------------
@@ -158,15 +177,18 @@ def test_study_runs_end_to_end_on_the_excerpt(tmp_path):
 def test_tradeoff_reads_a_training_study_and_times_each_run(tmp_path):
   from experiments.configs import tradeoff as tradeoff_config
   study = tiny(**{"train.steps": 2, "train.warmup_steps": 1, "train.eval_every": 2, "train.checkpoint_every": 2})
-  study.variants = (("softmax", {}), ("taylor", {"attention.type": "favor", "attention.kernel": "taylor",
-                                                 "attention.qk_head_dim": 4}))
+  taylor = {"attention.type": "favor", "attention.kernel": "taylor", "attention.qk_head_dim": 4}
+  study.variants = (("softmax", {}), ("taylor", taylor), ("taylor_seed1", {**taylor, "train.seed": 1}),
+                    ("taylor_kv2", {**taylor, "data.num_kv_pairs": 2}))  # another task: not placed
   trained = main.run(study, str(tmp_path / "study"))
   config = tradeoff_config.get_config("quick")
   config.studies = (("tiny", str(tmp_path / "study")),)
   records = main.run(config, str(tmp_path / "tradeoff"))
   assert [(r["name"], r["value"], r["state_size"]) for r in records] == [
-      (r["name"], r["eval_accuracy"], r["state_size"]) for r in trained]
-  assert all(r["steps_per_s"] > 0 for r in records) and (tmp_path / "tradeoff" / "tradeoff.png").exists()
+      (r["name"], r["eval_accuracy"], r["state_size"]) for r in trained[:3]]
+  assert all(r["steps_per_s"] > 0 and r["long_step_s"] > 0 and r["long_length"] == 256 for r in records)
+  assert records[1]["long_step_s"] == records[2]["long_step_s"]  # seeds share their setting's times
+  assert (tmp_path / "tradeoff" / "tradeoff.png").exists()
   config.studies = (("none", str(tmp_path)),)
   with pytest.raises(ValueError, match="config.json, .*results.json missing"):
     main.run(config, str(tmp_path / "x"))

@@ -105,9 +105,9 @@ def shakespeare_data(seq_len):
 
 
 @pytest.mark.parametrize("attention", ["softmax", "favor"])
-@pytest.mark.parametrize("positions", ["learned", "rotary"])
-def test_language_model_is_causal(attention, positions):
-  config = tiny(**{"attention.type": attention, "model.positions": positions})
+@pytest.mark.parametrize("positions,short_conv", [("learned", 0), ("rotary", 0), ("rotary", 4)])
+def test_language_model_is_causal(attention, positions, short_conv):
+  config = tiny(**{"attention.type": attention, "model.positions": positions, "model.short_conv": short_conv})
   model = models.make_model(config, vocab_size=64, num_classes=0, max_len=32)
   tokens = jax.random.randint(jax.random.PRNGKey(0), (2, 32), 1, 64)
   variables = model.init(jax.random.PRNGKey(1), tokens)
@@ -201,6 +201,7 @@ def test_causal_favor_plus_plus_keeps_a_running_rho():
     ("attention.kernel", "gaussian", "attention.kernel must be one of"),
     ("attention.redraw_every", -1, "attention.redraw_every must be a non-negative int"),
     ("model.num_heads", 3, "must be divisible by model.num_heads"),
+    ("model.short_conv", -1, "model.short_conv must be an int >= 0"),
     ("data.num_kv_pairs", 20, "leaves no room"),
 ])
 def test_bad_config_values_are_rejected_before_anything_runs(field, value, message, tmp_path, monkeypatch):
