@@ -2,6 +2,7 @@
 configs, and the real-activation capture and measurements (against the model's own outputs and exact
 attention)."""
 
+import json
 import os
 
 import flax.linen as nn
@@ -192,6 +193,12 @@ def test_tradeoff_reads_a_training_study_and_times_each_run(tmp_path):
   config.studies = (("none", str(tmp_path)),)
   with pytest.raises(ValueError, match="config.json, .*results.json missing"):
     main.run(config, str(tmp_path / "x"))
+  learned = json.loads((tmp_path / "study" / "config.json").read_text())  # a model tied to its length
+  learned["config"]["model"]["positions"] = "learned"
+  (tmp_path / "study" / "config.json").write_text(json.dumps(learned))
+  config.studies = (("tiny", str(tmp_path / "study")),)
+  with pytest.raises(ValueError, match="long_length=256: study 'tiny' .*learned positions"):
+    main.run(config, str(tmp_path / "y"))
 
 
 def test_conversion_distils_a_learned_map_before_fine_tuning(tmp_path):
