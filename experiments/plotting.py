@@ -35,6 +35,14 @@ def styles(n: int) -> list[dict]:
   return [dict(color=c, linestyle=ls) for ls, c in itertools.islice(pairs, n)]
 
 
+def point_styles(names) -> dict[str, dict]:
+  """Per name, a scatter style (colour, marker) no other of ``names`` shares: colours cycle by ten and
+  markers by twelve, so pairs repeat only after sixty names."""
+  names = list(names)
+  return {name: dict(color=c["color"], marker=m)
+          for name, c, m in zip(names, itertools.cycle(styles(len(COLORS))), itertools.cycle("osD^vP*Xph<>"))}
+
+
 def short_number(n: int) -> str:
   """256 → "256", 1024 → "1k", 131072 → "128k": tick labels that fit side by side."""
   if n >= 1024 and n % 1024 == 0:
@@ -119,13 +127,11 @@ def quality_vs_state(rows: list[dict], metric: str, label, path: str) -> str:
   """
   panels = sorted({r.get("num_kv_pairs", 0) for r in rows})
   fig, axes = subplots(1, len(panels), figsize=(4.6 * len(panels), 3.8), squeeze=False, sharey=True)
-  names = sorted({label(r) for r in rows})
-  marker = dict(zip(names, itertools.cycle("osD^vP*Xph<>")))
-  style = dict(zip(names, styles(len(names))))
+  style = point_styles(sorted({label(r) for r in rows}))
   for ax, pairs in zip(axes[0], panels):
     for r in (r for r in rows if r.get("num_kv_pairs", 0) == pairs):
       name = label(r)
-      ax.scatter(r["state_size"], r[metric], marker=marker[name], color=style[name]["color"], s=40, label=name)
+      ax.scatter(r["state_size"], r[metric], **style[name], s=40, label=name)
     ax.set_xscale("log", base=2)
     ax.set(xlabel="decoding state per layer (numbers)", ylabel=metric.replace("_", " "),
            title=f"{pairs} key-value pairs" if pairs else None)

@@ -16,6 +16,7 @@ import os
 
 import jax
 import jax.numpy as jnp
+import matplotlib.ticker
 import ml_collections
 
 from experiments import models, plotting, sweep, tasks, training
@@ -136,8 +137,7 @@ def plot(records, config, workdir):
   axes_x = [("steps_per_s", None)] + ([("long_step_s", "log")] if config.long_length else [])
   fig, axes = plotting.subplots(len(axes_x), len(studies), figsize=(4.8 * len(studies), 3.8 * len(axes_x)),
                                 squeeze=False)
-  names = sorted({r["setting"] for r in records})
-  style = dict(zip(names, plotting.styles(len(names))))
+  style = plotting.point_styles(sorted({r["setting"] for r in records}))
   for column, study in enumerate(studies):
     rows = [r for r in records if r["study"] == study]
     groups: dict[str, list[dict]] = {}
@@ -146,13 +146,13 @@ def plot(records, config, workdir):
     for (field, scale), ax in zip(axes_x, axes[:, column]):
       for setting, runs in groups.items():
         value = sum(r["value"] for r in runs) / len(runs)
-        ax.scatter(runs[0][field], value, color=style[setting]["color"], s=40, label=setting,
-                   marker="*" if setting.startswith("softmax") else "o")
+        ax.scatter(runs[0][field], value, **style[setting], s=40, label=setting)
       xlabel = (f"training steps/s (L={rows[0]['seq_len']}, batch {rows[0]['batch_size']})" if field == "steps_per_s"
                 else f"seconds per train step (L={config.long_length}, batch 1)")
       ax.set(xlabel=xlabel, ylabel=rows[0]["metric"].replace("_", " "), title=study)
       if scale:
         ax.set_xscale(scale)
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())  # decades only: no crowded labels
       ax.grid(alpha=0.3)
   plotting.legend_right(fig)
   return [plotting.save(fig, os.path.join(workdir, "tradeoff.png"))]
