@@ -50,6 +50,12 @@ def _check(ok: bool, message: str) -> None:
     raise ValueError(message)
 
 
+def _count(name: str, value, zero: str) -> None:
+  """``value`` is an int >= 0 (not a bool); ``zero`` says what 0 means."""
+  _check(isinstance(value, int) and not isinstance(value, bool) and value >= 0,
+         f"{name} must be an int >= 0 (0: {zero}), got {value!r}")
+
+
 def check_config(config) -> None:
   """Rejects bad values with a message naming the field, before any data or compilation."""
   a, m, t = config.attention, config.model, config.train
@@ -61,8 +67,7 @@ def check_config(config) -> None:
                       ("train.log_every", t.log_every), ("train.eval_every", t.eval_every),
                       ("train.checkpoint_every", t.checkpoint_every)):
     tasks.positive_int(name, value)
-  _check(isinstance(m.short_conv, int) and not isinstance(m.short_conv, bool) and m.short_conv >= 0,
-         f"model.short_conv must be an int >= 0 (0: no short convolution), got {m.short_conv!r}")
+  _count("model.short_conv", m.short_conv, "no short convolution")
   _check(m.positions in models.POSITIONS,
          f"model.positions must be one of {models.POSITIONS}, got {m.positions!r}")
   _check(m.d_model % m.num_heads == 0,
@@ -81,11 +86,9 @@ def check_config(config) -> None:
   _check(a.projection in layers.PROJECTIONS,
          f"attention.projection must be one of {layers.PROJECTIONS}, got {a.projection!r}")
   tasks.positive_int("attention.num_features", a.num_features)
-  _check(isinstance(a.window, int) and not isinstance(a.window, bool) and a.window >= 0,
-         f"attention.window must be an int >= 0 (0: no exact window), got {a.window!r}")
+  _count("attention.window", a.window, "no exact window")
   tasks.positive_int("attention.chunk_size", a.chunk_size)
-  _check(isinstance(a.qk_head_dim, int) and not isinstance(a.qk_head_dim, bool) and a.qk_head_dim >= 0,
-         f"attention.qk_head_dim must be an int >= 0 (0: the model's head dim), got {a.qk_head_dim!r}")
+  _count("attention.qk_head_dim", a.qk_head_dim, "the model's head dim")
   _check(a.type == "favor" or a.qk_head_dim == 0,
          f"attention.qk_head_dim={a.qk_head_dim} is for FAVOR layers; softmax attention uses the model's head dim")
   _check(m.positions != "rotary" or a.qk_head_dim % 2 == 0,
