@@ -38,9 +38,8 @@ def styles(n: int) -> list[dict]:
 def point_styles(names) -> dict[str, dict]:
   """Per name, a scatter style (colour, marker) no other of ``names`` shares: colours cycle by ten and
   markers by twelve, so pairs repeat only after sixty names."""
-  names = list(names)
-  return {name: dict(color=c["color"], marker=m)
-          for name, c, m in zip(names, itertools.cycle(styles(len(COLORS))), itertools.cycle("osD^vP*Xph<>"))}
+  return {name: dict(color=c, marker=m)
+          for name, c, m in zip(names, itertools.cycle(COLORS), itertools.cycle("osD^vP*Xph<>"))}
 
 
 def short_number(n: int) -> str:

@@ -45,20 +45,18 @@ def _variants(config):
   return config
 
 
-def _timing_setup(config, length: int = 0):
-  """``config``'s task, optimiser, fresh state and train step on one device; with ``length``, the step of the
-  same model at that many tokens (rotary positions: the parameters do not depend on the length)."""
+def time_setting(config, steps: int, repeats: int, long_length: int) -> tuple[float, float]:
+  """(training steps/s of ``config`` at its own batch and length, seconds of one train step of the same model
+  on one sequence of ``long_length`` tokens, NaN when 0) on one device, compile excluded; one build (task,
+  optimiser, fresh state) serves both (rotary positions: the parameters do not depend on the length)."""
   config = copy.deepcopy(config)
   config.mesh.update(data=1, sequence=1)
   run = training.build(config)
-  model = models.make_model(config, run.task.vocab_size, run.task.num_classes, length) if length else run.model
-  step = training.make_train_step(model, run.optimizer, config.attention.redraw_every, jax.random.PRNGKey(1))
-  return run, step
 
+  def train_step(model):
+    return training.make_train_step(model, run.optimizer, config.attention.redraw_every, jax.random.PRNGKey(1))
 
-def steps_per_second(config, steps: int, repeats: int) -> float:
-  """Training steps per second of ``config`` on this machine (one device), compile excluded."""
-  run, step = _timing_setup(config)
+  step = train_step(run.model)
   batches = [run.task.train_batch(i) for i in range(steps)]
 
   def block():
@@ -67,16 +65,13 @@ def steps_per_second(config, steps: int, repeats: int) -> float:
       s = step(s, b)
     jax.block_until_ready(s.params)
 
-  return steps / median_of(block, repeats)
-
-
-def long_step_seconds(config, length: int, repeats: int) -> float:
-  """Seconds of one train step (forward, backward, update) of ``config``'s model on one sequence of
-  ``length`` tokens, compile excluded: where a linear-time layer should pay off."""
-  run, step = _timing_setup(config, length)
-  tokens = jax.random.randint(jax.random.PRNGKey(0), (1, length), 1, run.task.vocab_size)
+  rate = steps / median_of(block, repeats)
+  if not long_length:
+    return rate, float("nan")
+  long_step = train_step(models.make_model(config, run.task.vocab_size, run.task.num_classes, long_length))
+  tokens = jax.random.randint(jax.random.PRNGKey(0), (1, long_length), 1, run.task.vocab_size)
   batch = tasks.Batch(tokens, tokens, jnp.ones(tokens.shape, jnp.float32))
-  return median_of(lambda: jax.block_until_ready(step(run.state, batch).params), repeats)
+  return rate, median_of(lambda: jax.block_until_ready(long_step(run.state, batch).params), repeats)
 
 
 def run(config, progress=print, workdir=None):
@@ -96,17 +91,16 @@ def run(config, progress=print, workdir=None):
     metric = sweep._main_metric(records)
     times = {}
     for r in records:
-      if variants[r["name"]].data != ran.data:
+      variant = variants[r["name"]]
+      if variant.data != ran.data:
         continue
       key = tuple(r.get(f) for f in sweep.SETTING)
       if key not in times:
-        times[key] = (steps_per_second(variants[r["name"]], config.timing_steps, config.timing_repeats),
-                      long_step_seconds(variants[r["name"]], config.long_length, config.timing_repeats)
-                      if config.long_length else float("nan"))
+        times[key] = time_setting(variant, config.timing_steps, config.timing_repeats, config.long_length)
       rate, seconds = times[key]
       out.append(dict(study=study, name=r["name"], setting=sweep.setting(r), metric=metric, value=r[metric],
                       seed=r["seed"], state_size=r["state_size"], seq_len=r["seq_len"],
-                      batch_size=variants[r["name"]].train.batch_size, steps_per_s=rate,
+                      batch_size=variant.train.batch_size, steps_per_s=rate,
                       long_length=config.long_length, long_step_s=seconds))
       progress(f"{study} {r['name']:>24} {metric} {r[metric]:.4f} {rate:.2f} steps/s, "
                f"{seconds:.3f} s/step at L={config.long_length}")
