@@ -97,10 +97,10 @@ def sequence_parallel_attention(
     v = v.astype(jnp.float32)
     if causal:
       prefix = causal_lib.exclusive_prefix(shared.key_state(feature_fn, k, v, mask), axis_name)
-      num, den = causal_lib.chunked(feature_fn, q, k, v, mask, chunk_size=chunk_size, state=prefix)
+      out = causal_lib.chunked(feature_fn, q, k, v, mask, chunk_size=chunk_size, state=prefix, divide=True)
     else:
-      num, den = bidirectional_lib.bidirectional(feature_fn, q, k, v, mask, axis_name=axis_name)
-    return shared.poison(shared.divide(num, den), bad)
+      out = bidirectional_lib.bidirectional(feature_fn, q, k, v, mask, axis_name=axis_name, divide=True)
+    return shared.poison(out, bad)
 
   if batch_axis is not None and q.shape[0] % mesh.shape[batch_axis]:
     batch_axis = None  # a layout hint only: a batch the axis does not divide (e.g. at init) is replicated

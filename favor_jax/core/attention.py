@@ -61,12 +61,12 @@ def _run(feature_fn, query, key, value, key_mask, causal, causal_method, chunk_s
                                               causal=causal)
   v = v.astype(jnp.float32)
   if not causal:
-    num, den = bidirectional_lib.bidirectional(feature_fn, q, k, v, mask)
+    out = bidirectional_lib.bidirectional(feature_fn, q, k, v, mask, divide=True)
   elif causal_method in ("auto", "chunked", "pallas"):
-    num, den = causal_lib.CAUSAL_METHODS[causal_method](feature_fn, q, k, v, mask, chunk_size=chunk_size)
+    out = causal_lib.CAUSAL_METHODS[causal_method](feature_fn, q, k, v, mask, chunk_size=chunk_size, divide=True)
   else:
-    num, den = causal_lib.CAUSAL_METHODS[causal_method](feature_fn, q, k, v, mask)
-  out = shared.poison(shared.divide(num, den), bad)
+    out = shared.divide(*causal_lib.CAUSAL_METHODS[causal_method](feature_fn, q, k, v, mask))
+  out = shared.poison(out, bad)
   return out.reshape(batch + out.shape[1:]).astype(shared.out_dtype(query, key, value))
 
 

@@ -15,11 +15,12 @@ from favor_jax.core import shared
 from favor_jax.core.shared import RecurrentState
 
 
-def bidirectional(feature_fn, q, k, v, mask, axis_name=None):
+def bidirectional(feature_fn, q, k, v, mask, axis_name=None, divide: bool = False):
   """Σ over all unmasked keys; per-feature key scale μ_f = max_j log φ(k_j)_f.
 
   Returns (numerator [N, Lq, H, Dv], denominator [N, Lq, H]), both scaled by the
-  same per-row factor. Feature maps that need the whole sequence at once
+  same per-row factor; ``divide``: the output num/den [N, Lq, H, Dv] only
+  (``shared.divide``, per query block). Feature maps that need the whole sequence at once
   (``feature_fn.whole_sequence``) get one block. ``axis_name``: the keys are
   split along the sequence over this mesh axis (inside ``shard_map``): one
   ``pmax`` of μ and one ``psum`` of the rescaled Σφ(k)[v, 1]ᵀ make every
@@ -39,15 +40,15 @@ def bidirectional(feature_fn, q, k, v, mask, axis_name=None):
     top = shared.finite_or_zero(jax.lax.stop_gradient(jax.lax.pmax(state.mu, axis_name)))
     state = RecurrentState(top, jax.lax.psum(state.s * jnp.exp(state.mu - top)[..., None], axis_name))
 
-  def read(start, size):
-    y_NHlE = shared.read_out(query_features(start, size), state)
-    return y_NHlE[..., :-1], y_NHlE[..., -1]
+  def read(start, size):  # one block of query rows, L-major: [N, l, H, ...]
+    y_NlHE = jnp.swapaxes(shared.read_out(query_features(start, size), state), 1, 2)
+    return (shared.divide(y_NlHE[..., :-1], y_NlHE[..., -1]),) if divide else (y_NlHE[..., :-1], y_NlHE[..., -1])
 
   # Query blocks are independent: a map, whose outputs are stacked (a carried output buffer
   # would make the backward pass copy it once per block).
   full, rest = divmod(length, block)
-  ys = jax.lax.map(lambda i: read(i * block, block), jnp.arange(full))  # [b, N, H, l, ...]
-  ys = [jnp.moveaxis(y, 0, 2).reshape((n, h, full * block) + y.shape[4:]) for y in ys]
+  ys = jax.lax.map(jax.checkpoint(lambda i: read(i * block, block)), jnp.arange(full))  # [b, N, l, H, ...]
+  ys = [jnp.moveaxis(y, 0, 1).reshape((n, full * block) + y.shape[3:]) for y in ys]
   if rest:
-    ys = [jnp.concatenate(pair, axis=2) for pair in zip(ys, read(full * block, rest))]
-  return tuple(jnp.swapaxes(y, 1, 2) for y in ys)
+    ys = [jnp.concatenate(pair, axis=1) for pair in zip(ys, read(full * block, rest))]
+  return ys[0] if divide else tuple(ys)

@@ -98,7 +98,7 @@ def _chunked_block(feature_fn, chunk, carry, q, k, v, mask):
 
 
 def chunked(feature_fn, q, k, v, mask, *, chunk_size: int = 64, block_chunks: int = 4, state=None,
-            return_state: bool = False, return_scale: bool = False):
+            return_state: bool = False, return_scale: bool = False, divide: bool = False):
   """Chunked causal linear attention: O(L·C·(F+Dv)) inside chunks, O(L·F·Dv) across them.
 
   Blocks of ``block_chunks`` chunks run under ``lax.scan`` with a
@@ -107,13 +107,22 @@ def chunked(feature_fn, q, k, v, mask, *, chunk_size: int = 64, block_chunks: in
   state per block, not the O(L·F) features and [C, C] weights. ``state`` continues
   from earlier keys (a :class:`RecurrentState`); ``return_state`` also returns
   the state after the last key; ``return_scale`` the rows' log-scale s_t [N, L, H]
-  (numerator and denominator are the sums times e^{−s_t}; −∞ where no key was seen).
+  (numerator and denominator are the sums times e^{−s_t}; −∞ where no key was seen). ``divide``: return
+  only the output num/den [N, L, H, Dv] (``shared.divide``), taken inside each block, so that under ``grad``
+  the division's backward pass is part of each block's recomputation too (at the top level it formed
+  several [N, L, H, Dv] temporaries on XLA:CPU).
   """
+  if divide and (return_state or return_scale):
+    raise ValueError("chunked(divide=True) returns the output only: return_state and return_scale must be False")
   n, length = q.shape[:2]
   chunk = min(chunk_size, length)
   block = chunk * block_chunks
   carry = shared.initial_state(feature_fn, q, k, v) if state is None else state
-  body = lambda c, x: _chunked_block(feature_fn, chunk, c, *x)
+
+  def body(c, x):
+    c, y = _chunked_block(feature_fn, chunk, c, *x)
+    return c, shared.divide(y[..., :-2], y[..., -2]) if divide else y
+
   if length <= block:
     padded = -(-length // chunk) * chunk
     xs = [shared.pad_to(x, padded) for x in (q, k, v)] + [shared.pad_to(mask, padded, False)]
@@ -126,6 +135,8 @@ def chunked(feature_fn, q, k, v, mask, *, chunk_size: int = 64, block_chunks: in
     carry, y = jax.lax.scan(jax.checkpoint(body), carry, xs)
     y = jnp.moveaxis(y, 0, 1).reshape((n, padded) + y.shape[3:])
   y = y[:, :length]
+  if divide:
+    return y
   out = (y[..., :-2], y[..., -2]) + ((y[..., -1],) if return_scale else ())
   return out + (carry,) if return_state else out
 
@@ -206,20 +217,24 @@ def pallas_block(size: int) -> bool:
   return size >= 16 and not size & (size - 1)
 
 
-def auto(feature_fn, q, k, v, mask, *, chunk_size: int = 64, return_scale: bool = False):
+def auto(feature_fn, q, k, v, mask, *, chunk_size: int = 64, return_scale: bool = False, divide: bool = False):
   """The fused Pallas kernels on a GPU where they apply (exponential features, a power-of-two chunk),
   the XLA chunked pass elsewhere; the same estimator either way."""
   use_fused = (jax.default_backend() == "gpu" and pallas_block(chunk_size)
                and exponential_features(feature_fn, q, k))
   run = pallas if use_fused else chunked
-  return run(feature_fn, q, k, v, mask, chunk_size=chunk_size, return_scale=return_scale)
+  return run(feature_fn, q, k, v, mask, chunk_size=chunk_size, return_scale=return_scale, divide=divide)
 
 
-def pallas(feature_fn, q, k, v, mask, *, chunk_size: int = 64, return_scale: bool = False):
-  """The chunked pass as fused Pallas kernels (:mod:`favor_jax.core.fused`; loaded on first use)."""
+def pallas(feature_fn, q, k, v, mask, *, chunk_size: int = 64, return_scale: bool = False, divide: bool = False):
+  """The chunked pass as fused Pallas kernels (:mod:`favor_jax.core.fused`; loaded on first use).
+  ``divide``: the output num/den only, as :func:`chunked` gives it."""
   from favor_jax.core import fused
 
-  return fused.causal(feature_fn, q, k, v, mask, chunk_size=chunk_size, return_scale=return_scale)
+  if divide and return_scale:
+    raise ValueError("pallas(divide=True) returns the output only: return_scale must be False")
+  out = fused.causal(feature_fn, q, k, v, mask, chunk_size=chunk_size, return_scale=return_scale)
+  return shared.divide(*out) if divide else out
 
 
 CAUSAL_METHODS = {"auto": auto, "chunked": chunked, "pallas": pallas, "scan": scan, "cumsum": cumsum}

@@ -280,7 +280,7 @@ def fold(step, init, size: int, block: int):
   full, rest = divmod(size, block)
   if full:  # the first block outside the loop: its result has the inputs' types (e.g. varying
     init = step(init, 0, block)  # over a shard_map axis), which the loop's carry must have
-  out = jax.lax.fori_loop(1, full, lambda i, c: step(c, i * block, block), init)
+  out = jax.lax.fori_loop(1, full, jax.checkpoint(lambda i, c: step(c, i * block, block)), init)
   return step(out, full * block, rest) if rest else out
 
 
