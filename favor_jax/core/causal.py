@@ -11,6 +11,8 @@ see :mod:`favor_jax.core`.
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 
@@ -24,6 +26,7 @@ from favor_jax.core.shared import RecurrentState
 # and the block is computed by the per-token recurrence instead (the same estimator, exact, slower).
 # The terms so dropped are below e^{-(87 - 40)} of the row's largest.
 SAFE_GAP = 40.0
+GROUP = 16  # tokens per recomputed group of that per-token pass (√ of a 256-token block)
 
 
 def _running_max(x, axis):
@@ -83,15 +86,21 @@ def _chunked_block(feature_fn, chunk, carry, q, k, v, mask):
     return RecurrentState(ms[:, :, nc], ss[:, :, nc]), y.reshape((n, h, length, -1))
 
   def per_token(carry):
-    t_major = lambda x: None if x is None else jnp.moveaxis(x, 2, 0)
+    # Groups of g tokens, each recomputed in the backward pass: it keeps one state per group and one per
+    # token of the group being differentiated (2√l states, not l: the cond's backward allocates them
+    # whichever branch ran, so they are a cost of every block).
+    g = math.gcd(length, GROUP)
+    grouped = lambda x: None if x is None else jnp.moveaxis(x, 2, 0).reshape((length // g, g) + x.shape[:2]
+                                                                            + x.shape[3:])
 
     def step(state, x):
       lq, mq, lk, mk, v_t = x
       state, num, den, scale = advance(state, LogFeatures(lq, mq), LogFeatures(lk, mk), v_t, with_scale=True)
       return state, jnp.concatenate([num, den[..., None], scale[..., None]], axis=-1)
 
-    state, y = jax.lax.scan(step, carry, tuple(map(t_major, (log_q, mult_q, log_k, mult_k, v_NHlD))))
-    return state, jnp.moveaxis(y, 0, 2)
+    group = jax.checkpoint(lambda state, xs: jax.lax.scan(step, state, xs))
+    state, y = jax.lax.scan(group, carry, tuple(map(grouped, (log_q, mult_q, log_k, mult_k, v_NHlD))))
+    return state, jnp.moveaxis(y.reshape((length,) + y.shape[2:]), 0, 2)
 
   state, y_NHlE = jax.lax.cond(safe, one_product, per_token, carry)
   return state, jnp.swapaxes(y_NHlE, 1, 2)

@@ -143,6 +143,14 @@ def test_chunked_takes_the_per_token_path_only_when_needed():
   got = core.favor_attention(q, k, v, proj, causal=True, chunk_size=32)
   want, _ = explicit("positive", q, k, v, proj, None, mask, causal=True)
   np.testing.assert_allclose(got, want, atol=1e-5)
+  # Its gradients (the per-token pass recomputed in groups) are the scan's.
+  weights = jnp.cos(jnp.arange(v.size).reshape(v.shape))
+  loss = lambda method, q, k, v: jnp.sum(weights * core.favor_attention(q, k, v, proj, causal=True,
+                                                                         causal_method=method, chunk_size=32))
+  want = jax.grad(functools.partial(loss, "scan"), argnums=(0, 1, 2))(q, k, v)
+  got = jax.jit(jax.grad(functools.partial(loss, "chunked"), argnums=(0, 1, 2)))(q, k, v)
+  for g, w in zip(got, want):
+    np.testing.assert_allclose(g, w, atol=1e-4 * np.max(np.abs(w)) + 1e-6)
 
 
 # --- non-finite inputs -----------------------------------------------------------------------
