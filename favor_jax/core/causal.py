@@ -26,7 +26,7 @@ from favor_jax.core.shared import RecurrentState
 # and the block is computed by the per-token recurrence instead (the same estimator, exact, slower).
 # The terms so dropped are below e^{-(87 - 40)} of the row's largest.
 SAFE_GAP = 40.0
-GROUP = 16  # tokens per recomputed group of that per-token pass (√ of a 256-token block)
+GROUP = 16  # tokens per group of that per-token pass's backward (√ of a 256-token block)
 
 
 def _running_max(x, axis):
@@ -86,24 +86,57 @@ def _chunked_block(feature_fn, chunk, carry, q, k, v, mask):
     return RecurrentState(ms[:, :, nc], ss[:, :, nc]), y.reshape((n, h, length, -1))
 
   def per_token(carry):
-    # Groups of g tokens, each recomputed in the backward pass: it keeps one state per group and one per
-    # token of the group being differentiated (2√l states, not l: the cond's backward allocates them
-    # whichever branch ran, so they are a cost of every block).
     g = math.gcd(length, GROUP)
     grouped = lambda x: None if x is None else jnp.moveaxis(x, 2, 0).reshape((length // g, g) + x.shape[:2]
                                                                             + x.shape[3:])
-
-    def step(state, x):
-      lq, mq, lk, mk, v_t = x
-      state, num, den, scale = advance(state, LogFeatures(lq, mq), LogFeatures(lk, mk), v_t, with_scale=True)
-      return state, jnp.concatenate([num, den[..., None], scale[..., None]], axis=-1)
-
-    group = jax.checkpoint(lambda state, xs: jax.lax.scan(step, state, xs))
-    state, y = jax.lax.scan(group, carry, tuple(map(grouped, (log_q, mult_q, log_k, mult_k, v_NHlD))))
+    state, y = _token_groups(carry, tuple(map(grouped, (log_q, mult_q, log_k, mult_k, v_NHlD))))
     return state, jnp.moveaxis(y.reshape((length,) + y.shape[2:]), 0, 2)
 
   state, y_NHlE = jax.lax.cond(safe, one_product, per_token, carry)
   return state, jnp.swapaxes(y_NHlE, 1, 2)
+
+
+def _token_step(state, x):
+  """One token of the per-token recurrence on head-major parts: x = (log_q, mult_q, log_k, mult_k, v)."""
+  lq, mq, lk, mk, v_t = x
+  state, num, den, scale = advance(state, LogFeatures(lq, mq), LogFeatures(lk, mk), v_t, with_scale=True)
+  return state, jnp.concatenate([num, den[..., None], scale[..., None]], axis=-1)
+
+
+def _token_group(state, xs):
+  return jax.lax.scan(_token_step, state, xs)
+
+
+@jax.custom_vjp
+def _token_groups(carry, xs):
+  """The per-token recurrence over groups of tokens ([groups, g, ...] inputs): (final state, rows).
+
+  Its own VJP keeps only its inputs: the chunked pass runs it as one branch of a ``lax.cond``, whose
+  backward allocates every branch's residuals whichever ran, so stored states would be a cost of every
+  block. The backward recomputes one state per group, then differentiates group by group in reverse
+  (one group's per-token states at a time).
+  """
+  return jax.lax.scan(_token_group, carry, xs)
+
+
+def _token_groups_fwd(carry, xs):
+  return _token_groups(carry, xs), (carry, xs)
+
+
+def _token_groups_bwd(res, cts):
+  carry, xs = res
+  ct_state, ct_y = cts
+  _, starts = jax.lax.scan(lambda state, x: (_token_group(state, x)[0], state), carry, xs)
+
+  def back(ct_end, inputs):
+    start, x, ct_y_group = inputs
+    _, vjp = jax.vjp(_token_group, start, x)
+    return vjp((ct_end, ct_y_group))
+
+  return jax.lax.scan(back, ct_state, (starts, xs, ct_y), reverse=True)
+
+
+_token_groups.defvjp(_token_groups_fwd, _token_groups_bwd)
 
 
 def chunked(feature_fn, q, k, v, mask, *, chunk_size: int = 64, block_chunks: int = 4, state=None,

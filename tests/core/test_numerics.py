@@ -133,23 +133,30 @@ def test_chunked_gradients_equal_scan_gradients_at_large_scale():
       np.testing.assert_allclose(g, w, atol=1e-4 * np.max(np.abs(w)) + 1e-6, err_msg=f"scale {scale}")
 
 
-def test_chunked_takes_the_per_token_path_only_when_needed():
-  """A ×100 key late in a chunk makes the one-product form unsafe for the rows before it: the block is
-  then computed per token, and the outputs before that key stay those of the scan."""
-  q, k, v = _qkv(length=32)
+@pytest.mark.parametrize("length,chunk,at,masked", [(32, 32, 20, False), (100, 16, 90, True)])
+def test_chunked_takes_the_per_token_path_when_needed(length, chunk, at, masked):
+  """Keys ×20 (log features spread over hundreds of e-folds) and one of ordinary size late in a chunk:
+  the one-product form is unsafe for the rows before it (their terms against the chunk's key maximum fall
+  below float32's range) and the block is computed per token, equal to the explicit form. (100, 16, 90):
+  two blocks of 4 chunks, both per token, so the first one's state flows into the second and its
+  gradients flow back through that state.
+  """
+  q, k, v = _qkv(length=length)
   proj = _proj()
-  k = k.at[:, 20].multiply(100.0)
-  mask = jnp.ones((B, 32), bool)
-  got = core.favor_attention(q, k, v, proj, causal=True, chunk_size=32)
+  k = (20.0 * k).at[:, at].set(k[:, at])
+  mask = _mask(length=length) if masked else jnp.ones((B, length), bool)
+  got = core.favor_attention(q, k, v, proj, causal=True, key_mask=mask, chunk_size=chunk)
   want, _ = explicit("positive", q, k, v, proj, None, mask, causal=True)
   np.testing.assert_allclose(got, want, atol=1e-5)
-  # Its gradients (the per-token pass recomputed in groups) are the scan's.
+  # Its gradients (the per-token pass's own VJP, recomputed group by group) are the scan's, also those
+  # of the projection.
   weights = jnp.cos(jnp.arange(v.size).reshape(v.shape))
-  loss = lambda method, q, k, v: jnp.sum(weights * core.favor_attention(q, k, v, proj, causal=True,
-                                                                         causal_method=method, chunk_size=32))
-  want = jax.grad(functools.partial(loss, "scan"), argnums=(0, 1, 2))(q, k, v)
-  got = jax.jit(jax.grad(functools.partial(loss, "chunked"), argnums=(0, 1, 2)))(q, k, v)
+  loss = lambda method, q, k, v, proj: jnp.sum(weights * core.favor_attention(
+      q, k, v, proj, causal=True, key_mask=mask, causal_method=method, chunk_size=chunk))
+  want = jax.grad(functools.partial(loss, "scan"), argnums=(0, 1, 2, 3))(q, k, v, proj)
+  got = jax.jit(jax.grad(functools.partial(loss, "chunked"), argnums=(0, 1, 2, 3)))(q, k, v, proj)
   for g, w in zip(got, want):
+    assert np.max(np.abs(w)) > 0
     np.testing.assert_allclose(g, w, atol=1e-4 * np.max(np.abs(w)) + 1e-6)
 
 
