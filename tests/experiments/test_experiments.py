@@ -107,6 +107,23 @@ def test_speed_records_an_allocation_failure_and_raises_other_errors(monkeypatch
     speed.measure(_job(seq_len=64))
 
 
+def test_speed_summary_states_a_crossover_only_for_baselines_the_run_timed():
+  from experiments import speed
+  from experiments.configs import speed as cfg
+
+  def record(method, seq_len, seconds):
+    return _job(method=method, seq_len=seq_len, status="ok", median_s=seconds, peak_bytes=2 ** 20,
+                gflops_per_s=1.0, fraction_of_matmul=0.1)
+
+  favor_only = [record("favor", 256, 0.2), record("favor", 1024, 0.3)]
+  summary = speed.summarize(favor_only, cfg.get_config())
+  assert "crossover" not in summary  # softmax was not timed: no claim either way
+  with_softmax = favor_only + [record("softmax", 256, 0.1), record("softmax", 1024, 0.9)]
+  summary = speed.summarize(with_softmax, cfg.get_config())
+  assert "- crossover: FAVOR+ bidirectional fwd beats softmax from L=1024" in summary
+  assert "jax_dot_product_attention" not in summary
+
+
 def test_peers_without_torch_exits_with_install_hint(monkeypatch):
   from experiments import peers
   from experiments.configs import peers as cfg
