@@ -42,7 +42,8 @@ def bidirectional(feature_fn, q, k, v, mask, axis_name=None, divide: bool = Fals
 
   def read(start, size):  # one block of query rows, L-major: [N, l, H, ...]
     y_NlHE = jnp.swapaxes(shared.read_out(query_features(start, size), state), 1, 2)
-    return (shared.divide(y_NlHE[..., :-1], y_NlHE[..., -1]),) if divide else (y_NlHE[..., :-1], y_NlHE[..., -1])
+    num, den = y_NlHE[..., :-1], y_NlHE[..., -1]
+    return (shared.divide(num, den),) if divide else (num, den)
 
   # Query blocks are independent: a map, whose outputs are stacked (a carried output buffer
   # would make the backward pass copy it once per block).

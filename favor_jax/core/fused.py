@@ -73,29 +73,41 @@ def _tril(c):
   return jnp.arange(c)[:, None] >= jnp.arange(c)[None, :]
 
 
+def _empty_state(bf, e):
+  """(μ [bf], S [bf, E], z [bf]) of no rows: μ = −∞, S = 0, z = 0."""
+  return (jnp.full((bf,), NEG_INF, jnp.float32), jnp.zeros((bf, e), jnp.float32), jnp.zeros((bf,), jnp.float32))
+
+
+def _absorb(carry, g, x, w, blocks):
+  """The state recurrences' step (prefix states forward, suffix sums backward): add rows with log weights
+  g [C, bf], values x [C, E] and z-weights w [C] (None: 1) to (μ, S, z), rescaled to the new maximum μ':
+
+      μ' = max(μ, max_rows g),  S' = S e^{μ−μ'} + Σ_rows e^{g−μ'} x,  z' = z e^{μ−μ'} + Σ_rows e^{g−μ'} w.
+  """
+  mu, s, z = carry
+  new = jnp.maximum(mu, jnp.max(g, axis=0))
+  decay = jnp.exp(mu - _safe(new))
+  p = jnp.exp(g - _safe(new)[None, :])
+  z_add = jnp.sum(p if w is None else p * w[:, None], axis=0)
+  return new, s * decay[:, None] + _dot(p, x, blocks, trans_a=True), z * decay + z_add
+
+
+def _store(refs, c, carry):
+  for ref, x in zip(refs, carry):
+    ref[c, ...] = x
+
+
 def _states_kernel(lk_ref, v_ref, mu_ref, s_ref, z_ref, *, blocks, n_chunks):
   """Exclusive prefix states before every chunk (and after the last): μ [c+1, F], S [c+1, F, E], z [c+1, F]."""
   c_rows, bf = blocks.chunk, lk_ref.shape[-1]
 
   def body(c, carry):
-    mu, s, z = carry
-    mu_ref[c, :] = mu
-    s_ref[c, :, :] = s
-    z_ref[c, :] = z
-    lk = lk_ref[pl.ds(c * c_rows, c_rows), :]
-    v = v_ref[pl.ds(c * c_rows, c_rows), :]
-    new = jnp.maximum(mu, jnp.max(lk, axis=0))
-    decay = jnp.exp(mu - _safe(new))
-    p = jnp.exp(lk - _safe(new)[None, :])
-    s = s * decay[:, None] + _dot(p, v, blocks, trans_a=True)
-    return new, s, z * decay + jnp.sum(p, axis=0)
+    _store((mu_ref, s_ref, z_ref), c, carry)
+    rows = pl.ds(c * c_rows, c_rows)
+    return _absorb(carry, lk_ref[rows, :], v_ref[rows, :], None, blocks)
 
-  init = (jnp.full((bf,), NEG_INF, jnp.float32), jnp.zeros((bf, v_ref.shape[-1]), jnp.float32),
-          jnp.zeros((bf,), jnp.float32))
-  mu, s, z = jax.lax.fori_loop(0, n_chunks, body, init)
-  mu_ref[n_chunks, :] = mu
-  s_ref[n_chunks, :, :] = s
-  z_ref[n_chunks, :] = z
+  last = jax.lax.fori_loop(0, n_chunks, body, _empty_state(bf, v_ref.shape[-1]))
+  _store((mu_ref, s_ref, z_ref), n_chunks, last)
 
 
 def _feature_blocks(f, bf):
@@ -133,22 +145,13 @@ def _suffix_kernel(lq_ref, mq_ref, dnum_ref, dden_ref, nu_ref, r_ref, rz_ref, *,
   c_rows, bf = blocks.chunk, lq_ref.shape[-1]
 
   def body(i, carry):
-    nu, r, rz = carry
     c = n_chunks - 1 - i
-    nu_ref[c, :] = nu
-    r_ref[c, :, :] = r
-    rz_ref[c, :] = rz
+    _store((nu_ref, r_ref, rz_ref), c, carry)
     rows = pl.ds(c * c_rows, c_rows)
     g = lq_ref[rows, :] - mq_ref[rows][:, None]  # −∞ for rows that see no key
-    new = jnp.maximum(nu, jnp.max(g, axis=0))
-    decay = jnp.exp(nu - _safe(new))
-    p = jnp.exp(g - _safe(new)[None, :])
-    r = r * decay[:, None] + _dot(p, dnum_ref[rows, :], blocks, trans_a=True)
-    return new, r, rz * decay + jnp.sum(p * dden_ref[rows][:, None], axis=0)
+    return _absorb(carry, g, dnum_ref[rows, :], dden_ref[rows], blocks)
 
-  init = (jnp.full((bf,), NEG_INF, jnp.float32), jnp.zeros((bf, dnum_ref.shape[-1]), jnp.float32),
-          jnp.zeros((bf,), jnp.float32))
-  jax.lax.fori_loop(0, n_chunks, body, init)
+  jax.lax.fori_loop(0, n_chunks, body, _empty_state(bf, dnum_ref.shape[-1]))
 
 
 def _grads_kernel(lq_ref, lk_ref, v_ref, ms_ref, dnum_ref, dden_ref, mu_ref, s_ref, z_ref, nu_ref, r_ref, rz_ref,
