@@ -133,8 +133,10 @@ def test_chunked_gradients_equal_scan_gradients_at_large_scale():
       np.testing.assert_allclose(g, w, atol=1e-4 * np.max(np.abs(w)) + 1e-6, err_msg=f"scale {scale}")
 
 
-@pytest.mark.parametrize("length,chunk,at,masked", [(32, 32, 20, False), (100, 16, 90, True)])
-def test_chunked_takes_the_per_token_path_when_needed(length, chunk, at, masked):
+@pytest.mark.parametrize("length,chunk,at,masked,dtype", [(32, 32, 20, False, jnp.float32),
+                                                          (32, 32, 20, False, jnp.bfloat16),
+                                                          (100, 16, 90, True, jnp.float32)])
+def test_chunked_takes_the_per_token_path_when_needed(length, chunk, at, masked, dtype):
   """Keys ×20 (log features spread over hundreds of e-folds) and one of ordinary size late in a chunk:
   the one-product form is unsafe for the rows before it (their terms against the chunk's key maximum fall
   below float32's range) and the block is computed per token, equal to the explicit form. (100, 16, 90):
@@ -144,20 +146,25 @@ def test_chunked_takes_the_per_token_path_when_needed(length, chunk, at, masked)
   q, k, v = _qkv(length=length)
   proj = _proj()
   k = (20.0 * k).at[:, at].set(k[:, at])
+  q, k, v = (x.astype(dtype) for x in (q, k, v))
+  tol = _tolerance(dtype, 1.0)  # float32: 1e-5 (absolute below), bfloat16: 2e-2 of the largest output
   mask = _mask(length=length) if masked else jnp.ones((B, length), bool)
   got = core.favor_attention(q, k, v, proj, causal=True, key_mask=mask, chunk_size=chunk)
   want, _ = explicit("positive", q, k, v, proj, None, mask, causal=True)
-  np.testing.assert_allclose(got, want, atol=1e-5)
+  atol = tol if dtype == jnp.float32 else tol * np.max(np.abs(want))
+  np.testing.assert_allclose(np.asarray(got, np.float64), want, atol=atol)
   # Its gradients (the per-token pass's own VJP, recomputed group by group) are the scan's, also those
   # of the projection.
   weights = jnp.cos(jnp.arange(v.size).reshape(v.shape))
   loss = lambda method, q, k, v, proj: jnp.sum(weights * core.favor_attention(
-      q, k, v, proj, causal=True, key_mask=mask, causal_method=method, chunk_size=chunk))
+      q, k, v, proj, causal=True, key_mask=mask, causal_method=method, chunk_size=chunk).astype(jnp.float32))
   want = jax.grad(functools.partial(loss, "scan"), argnums=(0, 1, 2, 3))(q, k, v, proj)
   got = jax.jit(jax.grad(functools.partial(loss, "chunked"), argnums=(0, 1, 2, 3)))(q, k, v, proj)
+  grad_tol = 1e-4 if dtype == jnp.float32 else tol  # bfloat16: both gradients are rounded to 2^-8
   for g, w in zip(got, want):
+    g, w = np.asarray(g, np.float64), np.asarray(w, np.float64)
     assert np.max(np.abs(w)) > 0
-    np.testing.assert_allclose(g, w, atol=1e-4 * np.max(np.abs(w)) + 1e-6)
+    np.testing.assert_allclose(g, w, atol=grad_tol * np.max(np.abs(w)) + 1e-6)
 
 
 # --- non-finite inputs -----------------------------------------------------------------------
