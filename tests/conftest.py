@@ -1,7 +1,41 @@
+import os
+import shutil
+import tempfile
+
 import jax
 import pytest
 
 jax.config.update("jax_default_matmul_precision", "highest")
+
+# Files led by tests that run for minutes in processes of their own: scheduled first (with
+# --no-loadscope-reorder, pyproject.toml), so that neither xdist worker is left running one of them alone at
+# the end while the other idles.
+FIRST = ("tests/parallel/test_multidevice.py", "tests/experiments/test_multihost.py",
+         "tests/experiments/test_experiments.py", "tests/experiments/test_quality_study.py",
+         "tests/experiments/test_training.py")
+CACHE_ENV = "JAX_COMPILATION_CACHE_DIR"
+
+
+def pytest_configure(config):
+  """One persistent compilation cache for the run, shared by both workers and every process a test starts
+  (they inherit the variable): a program another test already compiled is read back, not compiled again.
+  A fresh directory per run (removed at the end), so no run reads another's; a cache the caller set is kept."""
+  if hasattr(config, "workerinput"):  # an xdist worker: its controller set the variable before starting it
+    return
+  if CACHE_ENV not in os.environ:
+    os.environ[CACHE_ENV] = config._favor_cache = tempfile.mkdtemp(prefix="favor_jax_compilation_cache_")
+  jax.config.update("jax_compilation_cache_dir", os.environ[CACHE_ENV])  # this process read it at import
+
+
+def pytest_unconfigure(config):
+  if getattr(config, "_favor_cache", None):
+    shutil.rmtree(config._favor_cache, ignore_errors=True)
+    del os.environ[CACHE_ENV]
+
+
+def pytest_collection_modifyitems(items):
+  first = lambda item: next((i for i, f in enumerate(FIRST) if item.nodeid.startswith(f + "::")), len(FIRST))
+  items.sort(key=first)  # stable: the rest keep their order
 
 
 @pytest.fixture(params=[False, True], ids=["eager", "jit"])

@@ -55,12 +55,14 @@ def test_speed_quick_run_records_every_method(tmp_path):
   config = cfg.get_config("quick")
   config.memory = "compiled"  # one process; the per-process mode is tested below
   config.dtype = "bfloat16"
-  config.memory_limit_gb = 0.004  # exact attention at L=1024 (8 MB of logits) is "out of memory" here
+  config.seq_lens = (256,)  # one length: each configuration is a compilation
+  config.memory_limit_gb = 0.0025  # 2.5 MB: exact attention's fwd+bwd at L=256 (2.6-2.8 MB) is "out of memory"
   records = main.run(config, str(tmp_path))
   assert {r["method"] for r in records} == set(config.methods)
   ok = [r for r in records if r["status"] == "ok"]
   assert ok and all(r["median_s"] > 0 and r["gflops_per_s"] > 0 for r in ok)
   assert any(r["status"] == "out_of_memory" for r in records)
+  assert all((r["status"] == "out_of_memory") == (r["compiled_bytes"] > r["memory_limit_bytes"]) for r in records)
   # bf16 in, float32 inside: every forward output within bf16 rounding of the float32 computation.
   errors = {(r["method"], r["causal"], r["seq_len"]): r["rel_error"] for r in ok if r["pass"] == "fwd"}
   assert errors and all(0 < e < 2e-2 for e in errors.values()), errors
