@@ -67,7 +67,7 @@ def sequence_parallel_attention(
   batch is replicated otherwise — the result is the same either way). FAVOR++
   (``optimal_positive``) needs an explicit ``rho``: its batch statistic is a
   mean over the whole sequence, which would be one more collective. The sharded computation runs compiled
-  (``jit``) even when called eagerly: ``shard_map`` executed op by op is about ten times slower.
+  (``jit``, one compilation per call) even when called eagerly: ``shard_map`` executed op by op is far slower.
   """
   devices = _check_axis(mesh, axis_name)
   if batch_axis is not None:

@@ -75,8 +75,9 @@ def test_chunked_with_several_scan_blocks_matches_cumsum():
   # L > chunk_size * 4 exercises the rematerialised lax.scan over blocks, with padding.
   q, k, v = _qkv(length=301, batch=(1,))
   mask = jax.random.bernoulli(jax.random.PRNGKey(2), 0.9, (1, 301))
-  outs = [core.favor_attention(q, k, v, _proj(), causal=True, key_mask=mask, causal_method=m,
-                               chunk_size=4) for m in ("chunked", "cumsum")]
+  outs = [jax.jit(lambda q, k, v, mask: core.favor_attention(
+      q, k, v, _proj(), causal=True, key_mask=mask, causal_method=m, chunk_size=4))(q, k, v, mask)
+      for m in ("chunked", "cumsum")]
   np.testing.assert_allclose(outs[0], outs[1], rtol=1e-5, atol=1e-5)
 
 
@@ -249,8 +250,8 @@ def test_favor_approaches_softmax_as_features_grow(causal):
   err = []
   for m in (16, 256, 4096):
     keys = jax.random.split(jax.random.PRNGKey(m), 4)
-    outs = [core.favor_attention(q, k, v, core.orthogonal_projection(kk, m, D), causal=causal)
-            for kk in keys]
+    outs = jax.jit(jax.vmap(lambda kk: core.favor_attention(
+        q, k, v, core.orthogonal_projection(kk, m, D), causal=causal)))(keys)
     err.append(np.mean([np.mean((o - exact) ** 2) for o in outs]))
   assert err[1] < err[0] / 5 and err[2] < err[1] / 5 and err[2] < 1e-4
 
@@ -290,7 +291,7 @@ def test_vmap_over_projections_and_batch_dims():
 def test_grad_matches_finite_differences():
   q, k, v = _qkv(length=6, batch=(1,))
   proj = _proj()
-  f = lambda q: jnp.sum(jnp.sin(core.favor_attention(q, k, v, proj, causal=True, chunk_size=4)))
+  f = jax.jit(lambda q: jnp.sum(jnp.sin(core.favor_attention(q, k, v, proj, causal=True, chunk_size=4))))
   g = jax.grad(f)(q)
   direction = jax.random.normal(jax.random.PRNGKey(4), q.shape)
   eps = 1e-3
