@@ -13,8 +13,9 @@ from experiments.configs import common
 
 
 def get_config(arg=None):
-  """The study; ``arg="quick"``: a smoke version (about 30 s on 2 CPU cores), two short lengths, every
-  method but the slow-to-compile materialised prefix states, all in one process."""
+  """The study; ``arg="quick"``: a smoke version, two short lengths, every method but the slow-to-compile
+  materialised prefix states, all in one process (each of its configurations is a compilation: minutes on
+  2 CPU cores)."""
   quick = common.is_quick(arg)
   config = ml_collections.ConfigDict()
   config.experiment = "speed"  # which study experiments.main runs
