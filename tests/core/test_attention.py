@@ -75,8 +75,9 @@ def test_chunked_with_several_scan_blocks_matches_cumsum():
   # L > chunk_size * 4 exercises the rematerialised lax.scan over blocks, with padding.
   q, k, v = _qkv(length=301, batch=(1,))
   mask = jax.random.bernoulli(jax.random.PRNGKey(2), 0.9, (1, 301))
+  proj = _proj()
   outs = [jax.jit(lambda q, k, v, mask: core.favor_attention(
-      q, k, v, _proj(), causal=True, key_mask=mask, causal_method=m, chunk_size=4))(q, k, v, mask)
+      q, k, v, proj, causal=True, key_mask=mask, causal_method=m, chunk_size=4))(q, k, v, mask)
       for m in ("chunked", "cumsum")]
   np.testing.assert_allclose(outs[0], outs[1], rtol=1e-5, atol=1e-5)
 
@@ -217,7 +218,7 @@ def test_finite_outputs_and_grads_for_large_inputs(dtype, name, causal):
     assert out.dtype == dtype
     return jnp.sum(out.astype(jnp.float32))
 
-  val, grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(q, k, v)  # eager: maybe_jit's tests
+  val, grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(q, k, v)  # the maybe_jit tests run eagerly
   assert np.isfinite(float(val))
   for g in grads:
     assert np.all(np.isfinite(np.asarray(g, np.float32)))

@@ -50,7 +50,8 @@ def _cluster(workdir, variants, devices=2, **popen):
 
 def _one_process(workdir, variants):
   """The reference: experiments.main itself (no cluster, no jax.distributed) on 4 forced devices."""
-  env = _env(workdir, XLA_FLAGS="--xla_force_host_platform_device_count=4")
+  flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=4"  # as local_cluster's
+  env = _env(workdir, XLA_FLAGS=flags.strip())
   cmd = [sys.executable, "-m", "experiments.main", *_main_args(workdir, variants)]
   return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                           start_new_session=True)

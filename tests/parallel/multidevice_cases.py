@@ -36,6 +36,18 @@ CASES = [("positive", False, False, True), ("positive", False, True, True), ("po
          ("relu", True, True, True), ("trigonometric", True, False, True)]
 
 
+def _out_and_grads(f):
+  """f's output and the gradients of Σ f(q, k, v)² with respect to q, k, v, in one pass."""
+  def loss(q, k, v):
+    out = f(q, k, v)
+    return jnp.sum(out ** 2), out
+
+  def run(q, k, v):
+    (_, out), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+    return out, grads
+  return run
+
+
 @pytest.mark.parametrize("kernel,causal,masked,jit", CASES)
 def test_sequence_parallel_equals_single_device(kernel, causal, masked, jit):
   q, k, v, w, mask = _inputs(length=100)  # 100: divisible by neither the 8 devices nor the chunk size 8
@@ -45,11 +57,10 @@ def test_sequence_parallel_equals_single_device(kernel, causal, masked, jit):
                                                 chunk_size=8)
   split = lambda q, k, v: parallel.sequence_parallel_attention(
       q, k, v, w, mesh=mesh, axis_name="seq", kernel=kernel, causal=causal, key_mask=key_mask, chunk_size=8)
-  split = jax.jit(split) if jit else split
-  np.testing.assert_allclose(split(q, k, v), single(q, k, v), atol=1e-5, rtol=1e-5)
-  loss = lambda f: lambda *x: jnp.sum(f(*x) ** 2)
-  g_split = jax.grad(loss(split), argnums=(0, 1, 2))(q, k, v)
-  g_single = jax.grad(loss(single), argnums=(0, 1, 2))(q, k, v)
+  split = _out_and_grads(split)
+  split = jax.jit(split) if jit else split  # eager: the shard_map still runs compiled, everything around it not
+  (out_split, g_split), (out_single, g_single) = split(q, k, v), jax.jit(_out_and_grads(single))(q, k, v)
+  np.testing.assert_allclose(out_split, out_single, atol=1e-5, rtol=1e-5)
   for a, b in zip(g_split, g_single):
     np.testing.assert_allclose(a, b, atol=1e-5 * float(jnp.abs(b).max()), rtol=1e-5)
 
@@ -64,7 +75,8 @@ def test_sequence_parallel_with_the_new_estimators_per_head_and_dv_not_d():
     p = None if kernel == "taylor" else w
     split = jax.jit(lambda q, k, v: parallel.sequence_parallel_attention(
         q, k, v, p, mesh=mesh, axis_name="seq", kernel=kernel, causal=causal, key_mask=mask, chunk_size=8))
-    single = core.favor_attention(q, k, v, p, kernel=kernel, causal=causal, key_mask=mask, chunk_size=8)
+    single = jax.jit(lambda q, k, v: core.favor_attention(q, k, v, p, kernel=kernel, causal=causal, key_mask=mask,
+                                                          chunk_size=8))(q, k, v)
     np.testing.assert_allclose(split(q, k, v), single, atol=1e-5, rtol=1e-5, err_msg=kernel)
 
 
@@ -74,7 +86,8 @@ def test_sequence_parallel_on_an_explicit_mesh_with_batch_sharding():
   with jax.set_mesh(mesh):
     out = jax.jit(lambda q, k, v: parallel.sequence_parallel_attention(
         q, k, v, w, mesh=mesh, axis_name="seq", batch_axis="data", causal=True))(q, k, v)
-  np.testing.assert_allclose(out, core.favor_attention(q, k, v, w, causal=True), atol=1e-5, rtol=1e-5)
+  single = jax.jit(lambda q, k, v: core.favor_attention(q, k, v, w, causal=True))(q, k, v)
+  np.testing.assert_allclose(out, single, atol=1e-5, rtol=1e-5)
   assert out.sharding.spec[:2] == ("data", "seq")
 
 
@@ -205,5 +218,6 @@ def test_sequence_parallel_at_large_scale_equals_the_explicit_form():
       atol = 1e-3 * np.abs(want).max()
       np.testing.assert_allclose(got, want, rtol=0, atol=atol, err_msg=what)
       if causal:
-        scan = core.favor_attention(q, k, v, w, causal=True, causal_method="scan", key_mask=key_mask)
+        scan = jax.jit(lambda q, k, v: core.favor_attention(q, k, v, w, causal=True, causal_method="scan",
+                                                            key_mask=key_mask))(q, k, v)
         np.testing.assert_allclose(got, scan, rtol=0, atol=atol, err_msg=what)
