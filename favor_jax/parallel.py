@@ -16,6 +16,7 @@ Works under ``jit`` and ``grad`` (the collectives' transposes are collectives).
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -67,7 +68,8 @@ def sequence_parallel_attention(
   batch is replicated otherwise — the result is the same either way). FAVOR++
   (``optimal_positive``) needs an explicit ``rho``: its batch statistic is a
   mean over the whole sequence, which would be one more collective. The sharded computation runs compiled
-  (``jit``, one compilation per call) even when called eagerly: ``shard_map`` executed op by op is far slower.
+  (``jit``) even when called eagerly: ``shard_map`` executed op by op is far slower. Eager calls with the
+  same shapes, mesh and choices reuse one compilation.
   """
   devices = _check_axis(mesh, axis_name)
   if batch_axis is not None:
@@ -90,10 +92,44 @@ def sequence_parallel_attention(
   q, k, v = (shared.pad_to(x, padded) for x in (q, k, v))
   mask = shared.pad_to(mask, padded, False)
   rho_NH = shared.flat_rho(rho, query, kern)
-  # Row-local feature stabilisation only: a max over "all positions" would differ per device.
-  feature_fn = shared.feature_fn_for(kern, projection, rho_NH, causal=True)
+  if batch_axis is not None and q.shape[0] % mesh.shape[batch_axis]:
+    batch_axis = None  # a layout hint only: a batch the axis does not divide (e.g. at init) is replicated
+  seq = P(batch_axis, axis_name)
+  # q, k, v, mask split along the sequence (and batch); the projection on every device; ρ [N, H, ...] split
+  # like the batch.
+  args, specs = (q, k, v, mask, projection, rho_NH), (seq,) * 4 + (P(), P(batch_axis))
+  explicit = jax.sharding.AxisType.Explicit in mesh.axis_types
+  if explicit:  # explicit meshes want inputs laid out as the specs say
+    args = [None if x is None else jax.reshard(x, NamedSharding(mesh, spec)) for x, spec in zip(args, specs)]
+  try:
+    hash(kern)
+  except TypeError:  # e.g. a callable dataclass: a static argument must hash (compiled per call instead)
+    kern = _ByIdentity(kern)
+  out = _sharded(*args, mesh=mesh, axis_name=axis_name, specs=specs, kern=kern, causal=causal,
+                 chunk_size=chunk_size)
+  if padded != length:
+    if explicit:  # an explicit sharding cannot describe a length the axis does not divide
+      out = jax.reshard(out, NamedSharding(mesh, P()))
+    out = out[:, :length]
+  return out.reshape(batch + out.shape[1:]).astype(shared.out_dtype(query, key, value))
 
-  def local(q, k, v, mask):
+
+class _ByIdentity:
+  """An unhashable user kernel, hashed and compared by identity."""
+
+  def __init__(self, kern):
+    self.kern = kern
+
+
+@functools.partial(jax.jit, static_argnames=("mesh", "axis_name", "specs", "kern", "causal", "chunk_size"))
+def _sharded(q, k, v, mask, projection, rho_NH, *, mesh, axis_name, specs, kern, causal, chunk_size):
+  """The per-device computation under ``shard_map``; compiled (once per shape and static choice) even when
+  the caller is eager: ``shard_map`` executed op by op is far slower."""
+  kern = kern.kern if isinstance(kern, _ByIdentity) else kern
+
+  def local(q, k, v, mask, projection, rho_NH):
+    # Row-local feature stabilisation only: a max over "all positions" would differ per device.
+    feature_fn = shared.feature_fn_for(kern, projection, rho_NH, causal=True)
     q, k, v, bad, _ = shared.split_nonfinite(q, k, v, mask, causal=causal, axis_name=axis_name)
     v = v.astype(jnp.float32)
     if causal:
@@ -103,19 +139,7 @@ def sequence_parallel_attention(
       out = bidirectional_lib.bidirectional(feature_fn, q, k, v, mask, axis_name=axis_name, divide=True)
     return shared.poison(out, bad)
 
-  if batch_axis is not None and q.shape[0] % mesh.shape[batch_axis]:
-    batch_axis = None  # a layout hint only: a batch the axis does not divide (e.g. at init) is replicated
-  seq = P(batch_axis, axis_name)
-  args = (q, k, v, mask)
-  explicit = jax.sharding.AxisType.Explicit in mesh.axis_types
-  if explicit:  # explicit meshes want inputs laid out as the specs say
-    args = [jax.reshard(x, NamedSharding(mesh, seq)) for x in args]
-  out = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(seq,) * 4, out_specs=seq))(*args)
-  if padded != length:
-    if explicit:  # an explicit sharding cannot describe a length the axis does not divide
-      out = jax.reshard(out, NamedSharding(mesh, P()))
-    out = out[:, :length]
-  return out.reshape(batch + out.shape[1:]).astype(shared.out_dtype(query, key, value))
+  return jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=specs[0])(q, k, v, mask, projection, rho_NH)
 
 
 def communication_bytes(batch: int, heads: int, num_features: int, value_dim: int, devices: int,

@@ -4,6 +4,9 @@ Not collected directly (the file name does not start with ``test_``), so the
 rest of the suite keeps one device.
 """
 
+import dataclasses
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -78,6 +81,12 @@ def test_sequence_parallel_with_the_new_estimators_per_head_and_dv_not_d():
     single = jax.jit(lambda q, k, v: core.favor_attention(q, k, v, p, kernel=kernel, causal=causal, key_mask=mask,
                                                           chunk_size=8))(q, k, v)
     np.testing.assert_allclose(split(q, k, v), single, atol=1e-5, rtol=1e-5, err_msg=kernel)
+  # Hedgehog's map is learned: its gradient reaches the projection every device holds (summed over devices).
+  loss = lambda attend: jax.jit(jax.grad(lambda p: jnp.sum(attend(q, k, v, p, kernel="hedgehog", key_mask=mask,
+                                                                   chunk_size=8) ** 2)))(w)
+  g_split = loss(functools.partial(parallel.sequence_parallel_attention, mesh=mesh, axis_name="seq"))
+  g_single = loss(core.favor_attention)
+  np.testing.assert_allclose(g_split, g_single, atol=1e-5 * float(jnp.abs(g_single).max()), rtol=1e-5)
 
 
 def test_sequence_parallel_on_an_explicit_mesh_with_batch_sharding():
@@ -89,6 +98,64 @@ def test_sequence_parallel_on_an_explicit_mesh_with_batch_sharding():
   single = jax.jit(lambda q, k, v: core.favor_attention(q, k, v, w, causal=True))(q, k, v)
   np.testing.assert_allclose(out, single, atol=1e-5, rtol=1e-5)
   assert out.sharding.spec[:2] == ("data", "seq")
+
+
+@pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit])
+def test_favor_plus_plus_with_batch_sharding_splits_rho_like_the_batch(axis_type):
+  """ρ [B, H] travels with its examples: each device pairs its batch rows with their own ρ."""
+  q, k, v, w, mask = _inputs(length=64, batch=4)
+  rho = core.oprf_rho(q, k, mask) * jnp.array([1.0, 0.5, 2.0, 1.5])[:, None]  # a different ρ per example
+  mesh = jax.make_mesh((2, 4), ("data", "seq"), axis_types=(axis_type,) * 2)
+  for causal in (False, True):
+    out = parallel.sequence_parallel_attention(q, k, v, w, mesh=mesh, axis_name="seq", batch_axis="data",
+                                               kernel="optimal_positive", rho=rho, causal=causal, key_mask=mask)
+    single = jax.jit(lambda q, k, v: core.favor_attention(q, k, v, w, kernel="optimal_positive", rho=rho,
+                                                          causal=causal, key_mask=mask))(q, k, v)
+    np.testing.assert_allclose(out, single, atol=1e-5, rtol=1e-5, err_msg=f"causal={causal}")
+
+
+def test_linen_layer_over_data_and_sequence_axes_equals_the_layer_on_one_device():
+  """FAVOR++ in the Flax layer (its ρ computed from the whole batch) over a (data 2, seq 4) mesh."""
+  from favor_jax.layers import linen as flin
+  x = jax.random.normal(jax.random.PRNGKey(1), (4, 40, 32))
+  mask = (jax.random.uniform(jax.random.PRNGKey(2), (4, 40)) > 0.2)[:, None, None, :]
+  mesh = jax.make_mesh((2, 4), ("data", "seq"), axis_types=(AxisType.Auto,) * 2)
+  common = dict(num_heads=2, num_features=16, kernel="optimal_positive", causal=True, chunk_size=8)
+  one = flin.FavorAttention(**common)
+  params = one.init(jax.random.PRNGKey(0), x)
+  split = flin.FavorAttention(**common, mesh=mesh, sequence_axis="seq", batch_axis="data")
+  want = jax.jit(lambda p: one.apply(p, x, mask=mask))(params)
+  np.testing.assert_allclose(jax.jit(lambda p: split.apply(p, x, mask=mask))(params), want, atol=1e-5, rtol=1e-5)
+
+
+def test_eager_calls_with_the_same_shapes_compile_once():
+  q, k, v, w, mask = _inputs(length=64)
+  mesh = jax.make_mesh((8,), ("seq",), axis_types=(AxisType.Auto,))
+  call = lambda q, w: parallel.sequence_parallel_attention(q, k, v, w, mesh=mesh, axis_name="seq", causal=True,
+                                                           key_mask=mask, chunk_size=8)
+  call(q, w)
+  compiled = parallel._sharded._cache_size()
+  other_w = core.orthogonal_projection(jax.random.PRNGKey(7), 32, 16)
+  np.testing.assert_allclose(call(2.0 * q, other_w), jax.jit(lambda q: core.favor_attention(
+      q, k, v, other_w, causal=True, key_mask=mask, chunk_size=8))(2.0 * q), atol=1e-5, rtol=1e-5)
+  assert parallel._sharded._cache_size() == compiled  # new values, same shapes: no new compilation
+
+
+def test_an_unhashable_user_kernel_runs():
+  """A callable dataclass (unhashable: eq without frozen) as the kernel: no static-argument error."""
+  @dataclasses.dataclass
+  class ShiftedRelu:
+    eps: float = 1e-3
+
+    def __call__(self, q, k, w, stabilize=True):
+      return jax.nn.relu(q @ w.T) + self.eps, jax.nn.relu(k @ w.T) + self.eps
+
+  q, k, v, w, mask = _inputs(length=40)
+  mesh = jax.make_mesh((8,), ("seq",), axis_types=(AxisType.Auto,))
+  out = parallel.sequence_parallel_attention(q, k, v, w, mesh=mesh, axis_name="seq", kernel=ShiftedRelu(),
+                                             causal=True, key_mask=mask, chunk_size=8)
+  single = core.favor_attention(q, k, v, w, kernel=ShiftedRelu(), causal=True, key_mask=mask, chunk_size=8)
+  np.testing.assert_allclose(out, single, atol=1e-5, rtol=1e-5)
 
 
 def test_no_device_sees_a_later_devices_keys():
