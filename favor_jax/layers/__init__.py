@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float
 
-from favor_jax import core
+from favor_jax import core, parallel
 from favor_jax.core import causal as causal_lib
 
 __all__ = ["make_attention_fn", "draw_projection", "redraw_due", "distillation_loss", "PROJECTIONS"]
@@ -209,9 +209,32 @@ def updated_statistic(kernel, running, query, key, key_mask, momentum: float):
   return jax.tree.map(step, running, batch_stat)
 
 
-def attend(query, key, value, projection, *, window: int = 0, causal_method: str = "auto", **kwargs):
-  """``core.favor_attention``, or ``core.hybrid_attention`` (exact softmax within ``window``) if window > 0.
-  Its callers have checked ``causal_method`` against the window (``check_favor_args``, ``make_attention_fn``)."""
+def check_sequence_parallel(mesh, sequence_axis, *, causal_method, decode, window) -> None:
+  """A layer's ``mesh``/``sequence_axis``: both or neither, and nothing the sequence-parallel pass ignores."""
+  if (mesh is None) != (sequence_axis is None):
+    raise ValueError("sequence-parallel attention needs both mesh and sequence_axis (or neither)")
+  if sequence_axis is None:
+    return
+  check_causal_method(causal_method, "sequence_axis (sequence-parallel attention)")
+  if decode:
+    raise ValueError("decode=True is token by token; it cannot be sequence-parallel (drop sequence_axis)")
+  if window:
+    raise ValueError(f"window={window}: hybrid attention is not sequence-parallel (drop sequence_axis "
+                     "or use window=0)")
+
+
+def attend(query, key, value, projection, *, window: int = 0, causal_method: str = "auto", mesh=None,
+           sequence_axis: str | None = None, batch_axis: str | None = None, **kwargs):
+  """``core.favor_attention``, or ``core.hybrid_attention`` (exact softmax within ``window``) if window > 0,
+  or with ``sequence_axis`` ``parallel.sequence_parallel_attention`` over ``mesh`` (FAVOR++'s ρ, if not
+  given, from the whole batch and sequence: XLA reduces it across devices). Its callers have checked
+  ``causal_method`` against the window and the mesh (``check_favor_args``, ``check_sequence_parallel``,
+  ``make_attention_fn``)."""
+  if sequence_axis is not None:
+    if kwargs.get("rho") is None and is_data_dependent(kwargs.get("kernel", "positive")):
+      kwargs["rho"] = core.get_kernel(kwargs["kernel"]).compute_statistic(query, key, kwargs.get("key_mask"))
+    return parallel.sequence_parallel_attention(query, key, value, projection, mesh=mesh, axis_name=sequence_axis,
+                                                batch_axis=batch_axis, **kwargs)
   if window:
     return core.hybrid_attention(query, key, value, projection, window=window, **kwargs)
   return core.favor_attention(query, key, value, projection, causal_method=causal_method, **kwargs)

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from jax import Array
 from jax.sharding import Mesh
 
-from favor_jax import core, layers, parallel
+from favor_jax import core, layers
 
 __all__ = ["FavorAttention", "redraw"]
 
@@ -85,6 +85,8 @@ class FavorAttention(nn.MultiHeadDotProductAttention):
     statistic of a causal data-dependent kernel, updated when
     ``deterministic=False`` and the ``favor`` collection is mutable, and only
     *after* the step that used the old value, so no output depends on later tokens).
+  - ``mesh``, ``sequence_axis``, ``batch_axis``: the sequence split over ``sequence_axis`` of ``mesh``
+    (``parallel.sequence_parallel_attention``; the batch over ``batch_axis``); not with decode or a window.
   """
   num_features: int | None = None
   kernel: str = "positive"
@@ -110,15 +112,8 @@ class FavorAttention(nn.MultiHeadDotProductAttention):
                             causal=self.causal, decode=self.decode, window=self.window,
                             per_head_projection=self.per_head_projection, qk_head_dim=self.qk_head_dim,
                             causal_method=self.causal_method)
-    if self.sequence_axis is not None:
-      layers.check_causal_method(self.causal_method, "sequence_axis (sequence-parallel attention)")
-    if (self.mesh is None) != (self.sequence_axis is None):
-      raise ValueError("sequence-parallel attention needs both mesh and sequence_axis (or neither)")
-    if self.decode and self.sequence_axis is not None:
-      raise ValueError("decode=True is token by token; it cannot be sequence-parallel (drop sequence_axis)")
-    if self.window and self.sequence_axis is not None:
-      raise ValueError(f"window={self.window}: hybrid attention is not sequence-parallel (drop sequence_axis "
-                       "or use window=0)")
+    layers.check_sequence_parallel(self.mesh, self.sequence_axis, causal_method=self.causal_method,
+                                   decode=self.decode, window=self.window)
     if self.decode and self.qk_transform is not None:
       raise ValueError("qk_transform with decode=True is not supported: the transform does not see "
                        "the positions of decoded tokens")
@@ -161,15 +156,10 @@ class FavorAttention(nn.MultiHeadDotProductAttention):
     with layers.precision_scope(self.precision):
       if self.decode:
         x = self._decode(query, key, value, projection, attend)
-      elif self.sequence_axis is not None:
-        if rho is None and layers.is_data_dependent(self.kernel):  # the global statistic (XLA reduces it)
-          attend["rho"] = core.get_kernel(self.kernel).compute_statistic(query, key, key_mask)
-        x = parallel.sequence_parallel_attention(
-            query, key, value, projection, mesh=self.mesh, axis_name=self.sequence_axis,
-            batch_axis=self.batch_axis, causal=self.causal, **attend)
       else:
         x = layers.attend(query, key, value, projection, window=self.window, causal=self.causal,
-                          causal_method=self.causal_method, **attend)
+                          causal_method=self.causal_method, mesh=self.mesh, sequence_axis=self.sequence_axis,
+                          batch_axis=self.batch_axis, **attend)
     return nn.DenseGeneral(
         features=features, axis=(-2, -1), kernel_init=self.out_kernel_init or self.kernel_init,
         bias_init=self.out_bias_init or self.bias_init, use_bias=self.use_bias, dtype=self.dtype,

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 from flax.nnx.nn.attention import default_kernel_init
+from jax.sharding import Mesh
 
 from favor_jax import core, layers
 
@@ -60,14 +61,18 @@ class FavorAttention(nnx.MultiHeadAttention):
   :meth:`init_cache` decodes token by token from a constant-size state (plus
   the last ``window`` keys and values). Causal data-dependent layers (FAVOR++)
   keep a running statistic, updated in training (``deterministic=False``)
-  after the step that used the old value.
+  after the step that used the old value. ``mesh``, ``sequence_axis``,
+  ``batch_axis``: the sequence split over ``sequence_axis`` of ``mesh``
+  (``parallel.sequence_parallel_attention``; the batch over ``batch_axis``);
+  not with decode or a window.
   """
 
   def __init__(self, num_heads: int, in_features: int, qkv_features: int | None = None,
                out_features: int | None = None, *, num_features: int | None = None, kernel: str = "positive",
                projection: str | None = None, per_head_projection: bool | None = None, window: int = 0,
                qk_head_dim: int | None = None, causal: bool = False, chunk_size: int = 64,
-               causal_method: str = "auto", rho_momentum: float = 0.99, rngs: nnx.Rngs, **flax_kwargs):
+               causal_method: str = "auto", rho_momentum: float = 0.99, mesh: Mesh | None = None,
+               sequence_axis: str | None = None, batch_axis: str | None = None, rngs: nnx.Rngs, **flax_kwargs):
     if "attention_fn" in flax_kwargs:
       raise ValueError("FavorAttention computes its own attention; do not pass attention_fn")
     if flax_kwargs.get("num_kv_heads") not in (None, num_heads):
@@ -77,6 +82,8 @@ class FavorAttention(nnx.MultiHeadAttention):
                             decode=flax_kwargs.get("decode", False), window=window,
                             per_head_projection=per_head_projection, qk_head_dim=qk_head_dim,
                             causal_method=causal_method)
+    layers.check_sequence_parallel(mesh, sequence_axis, causal_method=causal_method,
+                                   decode=flax_kwargs.get("decode", False), window=window)
     super().__init__(num_heads, in_features, qkv_features, out_features, rngs=rngs, **flax_kwargs)
     self.kernel = kernel
     self.projection_kind = layers.projection_kind(projection)
@@ -85,6 +92,7 @@ class FavorAttention(nnx.MultiHeadAttention):
     self.chunk_size = chunk_size
     self.causal_method = causal_method
     self.rho_momentum = rho_momentum
+    self.mesh, self.sequence_axis, self.batch_axis = mesh, sequence_axis, batch_axis
     self.qk_head_dim = qk_head_dim or self.head_dim
     if self.qk_head_dim != self.head_dim:
       self._rebuild_query_key(flax_kwargs, rngs)
@@ -189,6 +197,8 @@ class FavorAttention(nnx.MultiHeadAttention):
     projection = self._projection()
     with layers.precision_scope(self.precision):
       if self.decode if decode is None else decode:
+        if self.sequence_axis is not None:
+          raise ValueError("decode=True is token by token; it cannot be sequence-parallel (drop sequence_axis)")
         if self.decode_state is None:
           raise ValueError("decode=True needs the recurrent state: call init_cache(input_shape) first")
         state, x = core.favor_decode_step(self.decode_state.get_value(), query, key, value, projection,
@@ -196,5 +206,5 @@ class FavorAttention(nnx.MultiHeadAttention):
         self.decode_state.set_value(state)
       else:
         x = layers.attend(query, key, value, projection, causal=self.causal, causal_method=self.causal_method,
-                          **attend)
+                          mesh=self.mesh, sequence_axis=self.sequence_axis, batch_axis=self.batch_axis, **attend)
     return self.out(x)

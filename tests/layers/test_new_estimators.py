@@ -113,6 +113,7 @@ def test_every_core_kernel_runs_in_the_layers_as_core_does_with_the_layers_own_p
 def test_arguments_a_kernel_cannot_use_are_refused_by_name():
   x = _x()
   init = lambda **kw: flin.FavorAttention(num_heads=H, **kw).init(jax.random.PRNGKey(0), x)
+  mesh = Mesh(np.array(jax.devices()[:1]), ("seq",))
   cases = [
       (dict(kernel="taylor", num_features=16), r"kernel 'taylor' uses no projection.*got num_features=16"),
       (dict(kernel="elu_plus_one", num_features=256), r"got num_features=256"),
@@ -127,15 +128,21 @@ def test_arguments_a_kernel_cannot_use_are_refused_by_name():
       (dict(window=2.0), r"window must be an int >= 0.*got 2.0"),
       (dict(qk_head_dim=0), r"qk_head_dim must be a positive int or None, got 0"),
       (dict(window=2, decode=True), r"decode=True needs causal=True"),
-      (dict(window=2, mesh=Mesh(np.array(jax.devices()[:1]), ("seq",)), sequence_axis="seq"),
-       r"window=2: hybrid attention is not sequence-parallel"),
+      (dict(window=2, mesh=mesh, sequence_axis="seq"), r"window=2: hybrid attention is not sequence-parallel"),
+      (dict(mesh=mesh), r"needs both mesh and sequence_axis \(or neither\)"),
+      (dict(sequence_axis="seq"), r"needs both mesh and sequence_axis \(or neither\)"),
+      (dict(causal=True, decode=True, mesh=mesh, sequence_axis="seq"), r"decode=True is token by token"),
+      (dict(causal=True, causal_method="scan", mesh=mesh, sequence_axis="seq"),
+       r"causal_method='scan' cannot apply with sequence_axis"),
   ]
-  for kwargs, message in cases:
+  for kwargs, message in cases:  # Linen checks at init, NNX at construction
     with pytest.raises(ValueError, match=message):
       init(**kwargs)
-    if "mesh" not in kwargs:
-      with pytest.raises(ValueError, match=message):
-        _nnx_layer(**kwargs)
+    with pytest.raises(ValueError, match=message):
+      _nnx_layer(**kwargs)
+  layer = _nnx_layer(causal=True, mesh=mesh, sequence_axis="seq")  # decode asked for at call time
+  with pytest.raises(ValueError, match=r"decode=True is token by token; it cannot be sequence-parallel"):
+    layer(x, decode=True)
   with pytest.raises(ValueError, match=r"window must be an int >= 0.*got -3"):
     layers.make_attention_fn(None, kernel="taylor", window=-3)
   with pytest.raises(ValueError, match="init_cache: decoding needs causal=True"):

@@ -114,18 +114,32 @@ def test_favor_plus_plus_with_batch_sharding_splits_rho_like_the_batch(axis_type
     np.testing.assert_allclose(out, single, atol=1e-5, rtol=1e-5, err_msg=f"causal={causal}")
 
 
-def test_linen_layer_over_data_and_sequence_axes_equals_the_layer_on_one_device():
-  """FAVOR++ in the Flax layer (its ρ computed from the whole batch) over a (data 2, seq 4) mesh."""
+def test_layers_over_data_and_sequence_axes_equal_the_layers_on_one_device():
+  """FAVOR++ in the Linen and NNX layers (ρ computed from the whole batch) over a (data 2, seq 4) mesh:
+  outputs, and for NNX the parameters' gradients."""
+  from flax import nnx
+
   from favor_jax.layers import linen as flin
+  from favor_jax.layers import nnx as fnnx
   x = jax.random.normal(jax.random.PRNGKey(1), (4, 40, 32))
   mask = (jax.random.uniform(jax.random.PRNGKey(2), (4, 40)) > 0.2)[:, None, None, :]
   mesh = jax.make_mesh((2, 4), ("data", "seq"), axis_types=(AxisType.Auto,) * 2)
-  common = dict(num_heads=2, num_features=16, kernel="optimal_positive", causal=True, chunk_size=8)
-  one = flin.FavorAttention(**common)
+  common = dict(num_features=16, kernel="optimal_positive", causal=True, chunk_size=8)
+  over_mesh = dict(mesh=mesh, sequence_axis="seq", batch_axis="data")
+
+  one = flin.FavorAttention(num_heads=2, **common)
   params = one.init(jax.random.PRNGKey(0), x)
-  split = flin.FavorAttention(**common, mesh=mesh, sequence_axis="seq", batch_axis="data")
+  split = flin.FavorAttention(num_heads=2, **common, **over_mesh)
   want = jax.jit(lambda p: one.apply(p, x, mask=mask))(params)
   np.testing.assert_allclose(jax.jit(lambda p: split.apply(p, x, mask=mask))(params), want, atol=1e-5, rtol=1e-5)
+
+  layers = [fnnx.FavorAttention(2, 32, **common, **extra, rngs=nnx.Rngs(0)) for extra in ({}, over_mesh)]
+  outputs = [nnx.jit(lambda m: m(x, mask=mask, deterministic=True))(m) for m in layers]
+  np.testing.assert_allclose(outputs[1], outputs[0], atol=1e-5, rtol=1e-5)
+  loss = nnx.jit(nnx.grad(lambda m: jnp.sum(m(x, mask=mask, deterministic=True) ** 2)))
+  grads = [jax.tree.leaves(nnx.state(loss(m), nnx.Param)) for m in layers]
+  for a, b in zip(*grads):
+    np.testing.assert_allclose(a, b, atol=1e-5 * float(jnp.abs(b).max()), rtol=1e-5)
 
 
 def test_eager_calls_with_the_same_shapes_compile_once():
