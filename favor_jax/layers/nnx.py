@@ -197,8 +197,8 @@ class FavorAttention(nnx.MultiHeadAttention):
     projection = self._projection()
     with layers.precision_scope(self.precision):
       if self.decode if decode is None else decode:
-        if self.sequence_axis is not None:
-          raise ValueError("decode=True is token by token; it cannot be sequence-parallel (drop sequence_axis)")
+        layers.check_sequence_parallel(self.mesh, self.sequence_axis, causal_method=self.causal_method,
+                                       decode=True, window=self.window)  # decode asked for at call time
         if self.decode_state is None:
           raise ValueError("decode=True needs the recurrent state: call init_cache(input_shape) first")
         state, x = core.favor_decode_step(self.decode_state.get_value(), query, key, value, projection,
