@@ -43,12 +43,17 @@ def free_port() -> int:
     return s.getsockname()[1]
 
 
+def xla_flags(devices: int) -> str:
+  """This process's ``XLA_FLAGS`` with K forced CPU devices: other flags kept, an earlier device count replaced."""
+  kept = [f for f in os.environ.get("XLA_FLAGS", "").split()
+          if not f.startswith("--xla_force_host_platform_device_count")]
+  return " ".join(kept + [f"--xla_force_host_platform_device_count={devices}"])
+
+
 def process_env(devices: int, port: int) -> dict:
   """The environment of every process: K CPU devices, gloo collectives, everything on the loopback."""
-  flags_ = [f for f in os.environ.get("XLA_FLAGS", "").split()
-            if not f.startswith("--xla_force_host_platform_device_count")]
-  return {**os.environ, "XLA_FLAGS": " ".join(flags_ + [f"--xla_force_host_platform_device_count={devices}"]),
-          "JAX_PLATFORMS": "cpu", "JAX_CPU_COLLECTIVES_IMPLEMENTATION": "gloo",
+  return {**os.environ, "XLA_FLAGS": xla_flags(devices), "JAX_PLATFORMS": "cpu",
+          "JAX_CPU_COLLECTIVES_IMPLEMENTATION": "gloo",
           "JAX_COORDINATOR_BIND_ADDRESS": f"127.0.0.1:{port}"}  # not every interface, JAX's default
 
 

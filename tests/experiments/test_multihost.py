@@ -15,7 +15,7 @@ import time
 import numpy as np
 import pytest
 
-from experiments import main
+from experiments import local_cluster, main
 from experiments.configs import common
 from experiments.configs import tiny as tiny_config
 
@@ -50,8 +50,7 @@ def _cluster(workdir, variants, devices=2, **popen):
 
 def _one_process(workdir, variants):
   """The reference: experiments.main itself (no cluster, no jax.distributed) on 4 forced devices."""
-  flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=4"  # as local_cluster's
-  env = _env(workdir, XLA_FLAGS=flags.strip())
+  env = _env(workdir, XLA_FLAGS=local_cluster.xla_flags(4))  # the device count local_cluster gives its 2 × 2
   cmd = [sys.executable, "-m", "experiments.main", *_main_args(workdir, variants)]
   return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                           start_new_session=True)
@@ -186,3 +185,11 @@ def test_cluster_fields_reach_jax_distributed():
                                                      process_id=3)
   auto = common.set_fields(tiny_config.get_config(), {"mesh.distributed": True})
   assert main.cluster_arguments(auto.mesh) == {}  # TPU VMs, SLURM: jax.distributed detects the cluster
+
+
+def test_forced_device_count_keeps_other_xla_flags_and_replaces_an_earlier_count(monkeypatch):
+  monkeypatch.setenv("XLA_FLAGS", "--xla_backend_optimization_level=0 --xla_force_host_platform_device_count=8")
+  assert local_cluster.xla_flags(2).split() == ["--xla_backend_optimization_level=0",
+                                               "--xla_force_host_platform_device_count=2"]
+  monkeypatch.delenv("XLA_FLAGS")
+  assert local_cluster.process_env(4, 1234)["XLA_FLAGS"] == "--xla_force_host_platform_device_count=4"
