@@ -209,6 +209,17 @@ def updated_statistic(kernel, running, query, key, key_mask, momentum: float):
   return jax.tree.map(step, running, batch_stat)
 
 
+def check_qk_transform(qk_transform, *, decode) -> None:
+  """A layer's ``qk_transform``: None or a callable ``(query, key) -> (query, key)``, and not with decode."""
+  if qk_transform is None:
+    return
+  if not callable(qk_transform):
+    raise TypeError(f"qk_transform must be a callable (query, key) -> (query, key), got {type(qk_transform).__name__}")
+  if decode:
+    raise ValueError("qk_transform with decode=True is not supported: the transform does not see "
+                     "the positions of decoded tokens")
+
+
 def check_sequence_parallel(mesh, sequence_axis, *, causal_method, decode, window) -> None:
   """A layer's ``mesh``/``sequence_axis``: both or neither, and nothing the sequence-parallel pass ignores."""
   if (mesh is None) != (sequence_axis is None):

@@ -85,6 +85,8 @@ class FavorAttention(nn.MultiHeadDotProductAttention):
     statistic of a causal data-dependent kernel, updated when
     ``deterministic=False`` and the ``favor`` collection is mutable, and only
     *after* the step that used the old value, so no output depends on later tokens).
+  - ``qk_transform``: ``(query, key) -> (query, key)`` applied to the [..., L, H, D] projections (after
+    ``normalize_qk``) before the features, e.g. rotary embeddings; not with decode.
   - ``mesh``, ``sequence_axis``, ``batch_axis``: the sequence split over ``sequence_axis`` of ``mesh``
     (``parallel.sequence_parallel_attention``; the batch over ``batch_axis``); not with decode or a window.
   """
@@ -114,9 +116,7 @@ class FavorAttention(nn.MultiHeadDotProductAttention):
                             causal_method=self.causal_method)
     layers.check_sequence_parallel(self.mesh, self.sequence_axis, causal_method=self.causal_method,
                                    decode=self.decode, window=self.window)
-    if self.decode and self.qk_transform is not None:
-      raise ValueError("qk_transform with decode=True is not supported: the transform does not see "
-                       "the positions of decoded tokens")
+    layers.check_qk_transform(self.qk_transform, decode=self.decode)
 
   @nn.compact
   def __call__(self, inputs_q, inputs_k=None, inputs_v=None, *, mask=None, deterministic=None,

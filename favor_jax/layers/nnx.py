@@ -2,7 +2,7 @@
 
 Subclasses Flax's module, so constructor arguments and parameter names are
 Flax's own; adds ``num_features``, ``kernel``, ``projection``,
-``per_head_projection``, ``window``, ``qk_head_dim`` and ``causal``.
+``per_head_projection``, ``window``, ``qk_head_dim``, ``causal``, ``qk_transform`` and the mesh.
 A random projection is a :class:`FavorProjection` variable (not an
 ``nnx.Param``: optimizers built on ``nnx.Param`` never touch it; it is saved
 with the state). A learned kernel's map (``hedgehog``) is the ``nnx.Param``
@@ -64,7 +64,9 @@ class FavorAttention(nnx.MultiHeadAttention):
   after the step that used the old value. ``mesh``, ``sequence_axis``,
   ``batch_axis``: the sequence split over ``sequence_axis`` of ``mesh``
   (``parallel.sequence_parallel_attention``; the batch over ``batch_axis``);
-  not with decode or a window.
+  not with decode or a window. ``qk_transform``: ``(query, key) -> (query, key)`` applied to the
+  [..., L, H, D] projections (after ``normalize_qk``) before the features, e.g. rotary embeddings; not with
+  decode.
   """
 
   def __init__(self, num_heads: int, in_features: int, qkv_features: int | None = None,
@@ -72,7 +74,8 @@ class FavorAttention(nnx.MultiHeadAttention):
                projection: str | None = None, per_head_projection: bool | None = None, window: int = 0,
                qk_head_dim: int | None = None, causal: bool = False, chunk_size: int = 64,
                causal_method: str = "auto", rho_momentum: float = 0.99, mesh: Mesh | None = None,
-               sequence_axis: str | None = None, batch_axis: str | None = None, rngs: nnx.Rngs, **flax_kwargs):
+               sequence_axis: str | None = None, batch_axis: str | None = None, qk_transform=None,
+               rngs: nnx.Rngs, **flax_kwargs):
     if "attention_fn" in flax_kwargs:
       raise ValueError("FavorAttention computes its own attention; do not pass attention_fn")
     if flax_kwargs.get("num_kv_heads") not in (None, num_heads):
@@ -84,6 +87,7 @@ class FavorAttention(nnx.MultiHeadAttention):
                             causal_method=causal_method)
     layers.check_sequence_parallel(mesh, sequence_axis, causal_method=causal_method,
                                    decode=flax_kwargs.get("decode", False), window=window)
+    layers.check_qk_transform(qk_transform, decode=flax_kwargs.get("decode", False))
     super().__init__(num_heads, in_features, qkv_features, out_features, rngs=rngs, **flax_kwargs)
     self.kernel = kernel
     self.projection_kind = layers.projection_kind(projection)
@@ -93,6 +97,7 @@ class FavorAttention(nnx.MultiHeadAttention):
     self.causal_method = causal_method
     self.rho_momentum = rho_momentum
     self.mesh, self.sequence_axis, self.batch_axis = mesh, sequence_axis, batch_axis
+    self.qk_transform = qk_transform
     self.qk_head_dim = qk_head_dim or self.head_dim
     if self.qk_head_dim != self.head_dim:
       self._rebuild_query_key(flax_kwargs, rngs)
@@ -181,6 +186,10 @@ class FavorAttention(nnx.MultiHeadAttention):
     query, key, value = self.query(inputs_q), self.key(inputs_k), self.value(inputs_v)
     if self.normalize_qk:
       query, key = self.query_ln(query), self.key_ln(key)
+    decode = self.decode if decode is None else decode
+    layers.check_qk_transform(self.qk_transform, decode=decode)  # decode may be asked for at call time
+    if self.qk_transform is not None:
+      query, key = self.qk_transform(query, key)
 
     if deterministic is None:
       deterministic = True if self.deterministic is None else self.deterministic
@@ -196,7 +205,7 @@ class FavorAttention(nnx.MultiHeadAttention):
                   window=self.window)
     projection = self._projection()
     with layers.precision_scope(self.precision):
-      if self.decode if decode is None else decode:
+      if decode:
         layers.check_sequence_parallel(self.mesh, self.sequence_axis, causal_method=self.causal_method,
                                        decode=True, window=self.window)  # decode asked for at call time
         if self.decode_state is None:

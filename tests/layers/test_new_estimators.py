@@ -140,6 +140,17 @@ def test_arguments_a_kernel_cannot_use_are_refused_by_name():
       init(**kwargs)
     with pytest.raises(ValueError, match=message):
       _nnx_layer(**kwargs)
+  flip = lambda q, k: (q, k[..., ::-1])
+  with pytest.raises(ValueError, match=r"qk_transform with decode=True is not supported"):
+    init(causal=True, decode=True, qk_transform=flip)
+  with pytest.raises(ValueError, match=r"qk_transform with decode=True is not supported"):
+    _nnx_layer(causal=True, decode=True, qk_transform=flip)
+  with pytest.raises(ValueError, match=r"qk_transform with decode=True is not supported"):
+    _nnx_layer(causal=True, qk_transform=flip)(x, decode=True)  # decode asked for at call time
+  with pytest.raises(TypeError, match=r"qk_transform must be a callable .*got str"):
+    init(qk_transform="rotary")
+  with pytest.raises(TypeError, match=r"qk_transform must be a callable .*got str"):
+    _nnx_layer(qk_transform="rotary")
   layer = _nnx_layer(causal=True, mesh=mesh, sequence_axis="seq")  # decode asked for at call time
   with pytest.raises(ValueError, match=r"decode=True is token by token; it cannot be sequence-parallel"):
     layer(x, decode=True)
@@ -147,6 +158,27 @@ def test_arguments_a_kernel_cannot_use_are_refused_by_name():
     layers.make_attention_fn(None, kernel="taylor", window=-3)
   with pytest.raises(ValueError, match="init_cache: decoding needs causal=True"):
     _nnx_layer(num_features=M).init_cache(x.shape)
+
+
+# --- qk_transform -------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("api", sorted(RUN))
+def test_qk_transform_reaches_the_features_in_both_layers(api, causal):
+  """A transform of (query, key) is what the features see: a zeroed key gives every key the same feature
+  vector, so the output is the (prefix) mean of the values, whatever the random features; and any transform
+  equals core's attention of the transformed projections with the layer's own params."""
+  x = _x()
+  shift = lambda q, k: (2.0 * q + 0.1, k[..., ::-1])  # reverses each head's key dims
+  zero_key = lambda q, k: (q, 0.0 * k)
+  for transform in (shift, zero_key):
+    got, params, projection = RUN[api]("positive", x, num_features=M, causal=causal, qk_transform=transform)
+    q, k, v = _qkv(params, x)
+    want = _out(params, core.favor_attention(*transform(q, k), v, projection, causal=causal))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+  count = jnp.arange(1, L + 1)[None, :, None, None]
+  mean_v = jnp.cumsum(v, axis=1) / count if causal else jnp.broadcast_to(v.mean(1, keepdims=True), v.shape)
+  np.testing.assert_allclose(got, _out(params, mean_v), rtol=1e-5, atol=1e-5)
 
 
 # --- per-head projections ----------------------------------------------------------------------------
