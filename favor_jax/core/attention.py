@@ -129,9 +129,10 @@ def favor_attention(
   (the same chunks as fused Pallas kernels; Pallas's interpreter off GPU),
   ``"scan"`` (the paper's per-token recurrence) or ``"cumsum"``
   (materialised prefix states). On an H200 the fused kernels ran fwd+bwd
-  3.4-4.8× faster than ``"chunked"`` with 3.2-3.6× its memory (they keep
-  float32 log features and one state per chunk for the backward pass;
-  README "Measured speed"): pass ``"chunked"`` where memory is short. ``rho`` is the
+  3.4-4.8× faster than ``"chunked"`` with 3.2-3.6× its memory (that code kept
+  float32 log features for the backward pass; it now recomputes them, keeping the
+  inputs and one state per chunk, not yet measured on a GPU; README "Measured
+  speed"): pass ``"chunked"`` where memory is short. ``rho`` is the
   statistic of a data-dependent kernel, required when ``causal``: FAVOR++'s ρ
   [..., H] (``optimal_positive``) or FAVOR#'s [..., H, D+1] (``saderf``: log Ψ
   per coordinate, then ρ; see ``kernels.saderf_statistic``).

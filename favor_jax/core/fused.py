@@ -12,8 +12,9 @@ rows, with the features in log domain (φ = exp(log)) and every stabiliser taken
 - backward: ``_suffix_kernel`` (chunks in reverse) sums e^{ℓq_t − m_t} [dnum_t, dden_t] over later chunks,
   stabilised by its own running maximum ν; ``_grads_kernel`` (per chunk) gives ∂ℓq, ∂ℓk, ∂v from the
   prefix and suffix states and the chunk's own products. The scales are constants under ``grad``, as in
-  the XLA pass. Features are computed outside (by the kernel's own ``log_features``, in XLA), so every
-  kernel whose features are pure exponentials runs here.
+  the XLA pass. Features are computed outside the kernels (by the kernel's own ``log_features``, in
+  XLA), so every kernel whose features are pure exponentials runs here; the backward recomputes them from
+  q and k (the custom VJP keeps the inputs, the row scales and the chunk states, not the features).
 
 m_t may exceed the row's largest term s_t when a later key in the chunk raised λ; then every term of
 row t is scaled by e^{−(m_t − s_t)}. The denominator is at least that factor (its largest term), so
@@ -229,20 +230,24 @@ def _forward(lq, lk, v, blocks):
   return (num, den, m), (mu, s, z)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _fused(lq, lk, v, seen, blocks):
-  """(numerator [R, L, E], denominator [R, L], row scale m [R, L]) times e^{−m}; ``seen`` [R, L] bool."""
-  (num, den, m), _ = _forward(lq, lk, v, blocks)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _fused(log_rows, blocks, q, k, v, seen, *consts):
+  """(numerator [R, L, E], denominator [R, L], row scale m [R, L]) times e^{−m}, the features
+  ``log_rows(q, k, *consts)`` (padded [R, L, F] float32 logs); ``seen`` [R, L] bool."""
+  (num, den, m), _ = _forward(*log_rows(q, k, *consts), v, blocks)
   return num, den, m
 
 
-def _fused_fwd(lq, lk, v, seen, blocks):
-  (num, den, m), states = _forward(lq, lk, v, blocks)
-  return (num, den, m), (lq, lk, v, seen, m, states)
+def _fused_fwd(log_rows, blocks, q, k, v, seen, *consts):
+  (num, den, m), states = _forward(*log_rows(q, k, *consts), v, blocks)
+  # Kept for the backward: the inputs (not the float32 log features, F/D·4/itemsize times their size:
+  # recomputed there) and one state per chunk.
+  return (num, den, m), (q, k, v, seen, consts, m, states)
 
 
-def _fused_bwd(blocks, res, cts):
-  lq, lk, v, seen, m, (mu, s, z) = res
+def _fused_bwd(log_rows, blocks, res, cts):
+  q, k, v, seen, consts, m, (mu, s, z) = res
+  (lq, lk), features_vjp = jax.vjp(log_rows, q, k, *consts)
   dnum, dden, _ = cts  # the scale is a constant (as in the XLA pass)
   r, length, f = lq.shape
   e, bf, nc = v.shape[-1], blocks.block_f, length // blocks.chunk
@@ -267,7 +272,9 @@ def _fused_bwd(blocks, res, cts):
       [jax.ShapeDtypeStruct(lq.shape, f32), jax.ShapeDtypeStruct(lk.shape, f32), jax.ShapeDtypeStruct(v.shape, f32)],
       blocks)(lq, lk, v, ms, dnum, dden, mu, s, z, nu, rr, rz)
   # Masked keys (ℓk = −∞) and padded features get exactly zero gradient already.
-  return dlq, dlk, dv.astype(v.dtype), None
+  dq, dk, *dconsts = features_vjp((dlq, dlk))
+  dconsts = [None if d.dtype == jax.dtypes.float0 else d for d in dconsts]  # a mask is a constant
+  return (dq, dk, dv.astype(v.dtype), None, *dconsts)
 
 
 _fused.defvjp(_fused_fwd, _fused_bwd)
@@ -305,10 +312,8 @@ def causal(feature_fn, q, k, v, mask, *, chunk_size: int = 64, blocks: Blocks | 
   if not causal_lib.exponential_features(feature_fn, q, k):
     raise ValueError("causal_method='pallas' needs features that are exponentials with a log per feature "
                      "(no multiplier); this kernel's are not: use causal_method='chunked'")
-  fq, fk = shared.head_major(feature_fn, q, k)
-  log_q, _ = shared.parts(fq)
-  log_k, _ = shared.parts(fk, mask[:, None, :, None])
-  n, h, length, f = log_q.shape
+  n, length, h = q.shape[:3]
+  f = jax.eval_shape(lambda: shared.head_major(feature_fn, q, k)[0].log).shape[-1]
   dv = v.shape[-1]
   padded, fp, ep = -(-length // blocks.chunk) * blocks.chunk, _pow2(f), _pow2(dv)
   bf = min(blocks.block_f, fp)
@@ -319,13 +324,19 @@ def causal(feature_fn, q, k, v, mask, *, chunk_size: int = 64, blocks: Blocks | 
     x = x.reshape((n * h, length, x.shape[-1]))
     return jnp.pad(x, ((0, 0), (0, padded - length), (0, width - x.shape[-1])), constant_values=value)
 
-  lq = rows(log_q.astype(jnp.float32), NEG_INF, fp)
-  lk = rows(log_k.astype(jnp.float32), NEG_INF, fp)
+  def log_rows(q, k):
+    fq, fk = shared.head_major(feature_fn, q, k)
+    log_q, _ = shared.parts(fq)
+    log_k, _ = shared.parts(fk, mask[:, None, :, None])
+    return rows(log_q.astype(jnp.float32), NEG_INF, fp), rows(log_k.astype(jnp.float32), NEG_INF, fp)
+
+  # The features' own parameters (projection, ρ, a learned map) as explicit arguments of the custom VJP.
+  log_rows, consts = jax.closure_convert(log_rows, q, k)
   vv = rows(jnp.swapaxes(v, 1, 2), 0.0, ep)
   seen_NL = jax.lax.associative_scan(jnp.logical_or, mask, axis=1)
   seen = jnp.broadcast_to(seen_NL[:, None], (n, h, length)).reshape((n * h, length))
   seen = jnp.pad(seen, ((0, 0), (0, padded - length)))
-  num, den, m = _fused(lq, lk, vv, seen, blocks)
+  num, den, m = _fused(log_rows, blocks, q, k, vv, seen, *consts)
   back = lambda x: jnp.swapaxes(x[:, :length].reshape((n, h, length) + x.shape[2:]), 1, 2)
   num, den = back(num[..., :dv]), back(den)
   scale = back(jnp.where(seen, jax.lax.stop_gradient(m), NEG_INF))

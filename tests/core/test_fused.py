@@ -125,6 +125,21 @@ def test_unsupported_feature_maps_and_chunks_are_refused():
                          chunk_size=24)
 
 
+def test_the_backward_keeps_the_inputs_and_chunk_states_not_the_features():
+  """What ``grad`` holds between the forward and the backward pass (the leaves of ``jax.vjp``'s function):
+  no array as large as half of one side's log features [N, H, L, F] (float32; the old code kept both
+  sides'); they are recomputed from q and k in the backward. Kept: inputs, one [F, Dv] state per chunk."""
+  length, features = 1024, 64
+  q, k, v, mask = _inputs(length=length)
+  proj = core.orthogonal_projection(jax.random.PRNGKey(5), features, D)
+  run = lambda q, k, v, proj: core.favor_attention(q, k, v, proj, causal=True, key_mask=mask,
+                                                   causal_method="pallas", chunk_size=64)
+  _, backward = jax.vjp(run, q, k, v, proj)
+  kept = [x for x in jax.tree.leaves(backward) if hasattr(x, "size")]
+  one_side = B * H * length * features
+  assert max(x.size for x in kept) < one_side // 2, sorted((x.shape for x in kept), key=np.prod)[-3:]
+
+
 def test_forward_and_backward_lower_to_triton_for_a_gpu():
   """What a GPU compiles: Pallas lowers every kernel to Triton here too (unsupported operations fail now)."""
   q, k, v, mask = (x[:1] for x in _inputs(length=128))
