@@ -32,12 +32,12 @@ from favor_jax.core import checks, shared
 __all__ = ["sequence_parallel_attention", "communication_bytes"]
 
 
-def _check_axis(mesh: Mesh, axis_name: str) -> int:
+def _check_axis(mesh: Mesh, axis, argument: str = "axis_name") -> int:
   if not isinstance(mesh, Mesh):
     raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
-  if axis_name not in mesh.axis_names:
-    raise ValueError(f"axis_name {axis_name!r} is not an axis of the mesh; its axes are {mesh.axis_names}")
-  return mesh.shape[axis_name]
+  if not isinstance(axis, str) or axis not in mesh.axis_names:
+    raise ValueError(f"{argument} {axis!r} is not an axis of the mesh; its axes are {mesh.axis_names}")
+  return mesh.shape[axis]
 
 
 def sequence_parallel_attention(
@@ -73,7 +73,9 @@ def sequence_parallel_attention(
   """
   devices = _check_axis(mesh, axis_name)
   if batch_axis is not None:
-    _check_axis(mesh, batch_axis)
+    _check_axis(mesh, batch_axis, "batch_axis")
+    if batch_axis == axis_name:
+      raise ValueError(f"batch_axis must differ from axis_name (the sequence's axis), got {batch_axis!r} for both")
   shared.validate(query, key, value, key_mask, causal)
   if query.shape[-3] != key.shape[-3]:
     raise ValueError(f"sequence-parallel attention needs query and key of one length; got query "
@@ -83,6 +85,10 @@ def sequence_parallel_attention(
     raise ValueError(f"kernel {kernel!r} needs an explicit rho {kern.statistic_shape(query.shape)} under "
                      f"sequence parallelism (e.g. kernels.{kern.compute_statistic.__name__}(query, key) "
                      "computed by the caller, or a running one)")
+  if rho is not None and not isinstance(rho, jax.core.Tracer):
+    # The kernel's own checks of a concrete statistic (finite, in range): inside the compiled shard_map it
+    # is traced and they cannot run. One token of each example is enough.
+    kern.log_features(query[..., :1, :, :], key[..., :1, :, :], projection, **{kern.statistic: rho})
   chunk_size = checks.check_chunk_size(chunk_size)
 
   batch, length = query.shape[:-3], query.shape[-3]

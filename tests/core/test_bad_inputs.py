@@ -167,3 +167,30 @@ def test_kernel_projection_and_statistic_misuse_name_the_argument():
     core.kernels.positive(q, q, None)
   with pytest.raises(ValueError, match="query has length 0"):
     core.oprf_rho(q[:, :0], q)
+
+
+@pytest.mark.parametrize("kernel", ["optimal_positive", "saderf"])
+def test_sequence_parallel_refuses_a_bad_statistic_and_misnamed_axes_as_core_does(kernel):
+  """A concrete statistic out of range raises the kernel's own error before the compiled shard_map (where it
+  would be traced and come back as NaN rows); batch_axis errors name batch_axis."""
+  q, k, v = _qkv()
+  proj = _proj()
+  mesh = jax.make_mesh((1, 1), ("data", "seq"))
+  stat = core.get_kernel(kernel).compute_statistic(q, k)
+  split = functools.partial(parallel.sequence_parallel_attention, q, k, v, proj, mesh=mesh, axis_name="seq",
+                            kernel=kernel, causal=True)
+  for bad in (-jnp.ones_like(stat), jnp.full_like(stat, jnp.nan)):
+    with pytest.raises(ValueError, match=r"rho") as raised:
+      split(rho=bad)
+    with pytest.raises(ValueError) as in_core:
+      core.favor_attention(q, k, v, proj, kernel=kernel, causal=True, rho=bad)
+    assert str(raised.value) == str(in_core.value)
+  np.testing.assert_allclose(split(rho=stat, batch_axis="data"),  # a valid statistic still runs
+                             core.favor_attention(q, k, v, proj, kernel=kernel, causal=True, rho=stat),
+                             rtol=1e-5, atol=1e-5)
+  with pytest.raises(ValueError, match=r"batch_axis 'model' is not an axis of the mesh; its axes are"):
+    split(rho=stat, batch_axis="model")
+  with pytest.raises(ValueError, match=r"batch_axis 0 is not an axis of the mesh"):
+    split(rho=stat, batch_axis=0)
+  with pytest.raises(ValueError, match=r"batch_axis must differ from axis_name .*got 'seq' for both"):
+    split(rho=stat, batch_axis="seq")
