@@ -220,6 +220,23 @@ def check_qk_transform(qk_transform, *, decode) -> None:
                      "the positions of decoded tokens")
 
 
+def transform_qk(qk_transform, query, key):
+  """``qk_transform(query, key)``, checked: a pair of floating arrays with the shapes it was given."""
+  out = qk_transform(query, key)
+  if not isinstance(out, (tuple, list)) or len(out) != 2:
+    got = f"{type(out).__name__} of {len(out)}" if isinstance(out, (tuple, list)) else type(out).__name__
+    raise TypeError(f"qk_transform must return a pair (query, key), got {got}")
+  for name, given, new in zip(("query", "key"), (query, key), out):
+    dtype = getattr(new, "dtype", None)
+    if dtype is None or not hasattr(new, "shape") or not jnp.issubdtype(dtype, jnp.floating):
+      raise TypeError(f"qk_transform must return floating arrays; its {name} is {type(new).__name__}"
+                      + ("" if dtype is None else f" of dtype {dtype}"))
+    if tuple(new.shape) != tuple(given.shape):
+      raise ValueError(f"qk_transform must keep the shapes it is given; its {name} has shape "
+                       f"{tuple(new.shape)}, needs {tuple(given.shape)}")
+  return tuple(out)
+
+
 def check_sequence_parallel(mesh, sequence_axis, *, causal_method, decode, window) -> None:
   """A layer's ``mesh``/``sequence_axis``: both or neither, and nothing the sequence-parallel pass ignores."""
   if (mesh is None) != (sequence_axis is None):

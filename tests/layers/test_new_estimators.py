@@ -151,6 +151,16 @@ def test_arguments_a_kernel_cannot_use_are_refused_by_name():
     init(qk_transform="rotary")
   with pytest.raises(TypeError, match=r"qk_transform must be a callable .*got str"):
     _nnx_layer(qk_transform="rotary")
+  bad_transforms = [(lambda q, k: (q, k, k), TypeError, r"must return a pair \(query, key\), got tuple of 3"),
+                    (lambda q, k: None, TypeError, r"must return a pair \(query, key\), got NoneType"),
+                    (lambda q, k: (q[:, :4], k), ValueError, r"its query has shape \(2, 4, 2, 8\), needs \(2, 9"),
+                    (lambda q, k: (q, k[..., :4]), ValueError, r"its key has shape \(2, 9, 2, 4\), needs"),
+                    (lambda q, k: (q, k.astype(jnp.int32)), TypeError, r"floating arrays; its key is .* int32")]
+  for transform, error, message in bad_transforms:  # checked where it is called: Linen's init, NNX's call
+    with pytest.raises(error, match="qk_transform .*" + message):
+      init(qk_transform=transform)
+    with pytest.raises(error, match="qk_transform .*" + message):
+      _nnx_layer(qk_transform=transform)(x)
   layer = _nnx_layer(causal=True, mesh=mesh, sequence_axis="seq")  # decode asked for at call time
   with pytest.raises(ValueError, match=r"decode=True is token by token; it cannot be sequence-parallel"):
     layer(x, decode=True)
