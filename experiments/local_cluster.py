@@ -45,9 +45,11 @@ def free_port() -> int:
 
 def xla_flags(devices: int) -> str:
   """This process's ``XLA_FLAGS`` with K forced CPU devices: other flags kept, an earlier device count replaced."""
-  kept = [f for f in os.environ.get("XLA_FLAGS", "").split()
-          if not f.startswith("--xla_force_host_platform_device_count")]
-  return " ".join(kept + [f"--xla_force_host_platform_device_count={devices}"])
+  if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
+    raise ValueError(f"devices must be an int >= 1, got {devices!r}")
+  name = "--xla_force_host_platform_device_count"
+  kept = [f for f in os.environ.get("XLA_FLAGS", "").split() if f.split("=")[0] != name]
+  return " ".join(kept + [f"{name}={devices}"])
 
 
 def process_env(devices: int, port: int) -> dict:

@@ -191,5 +191,11 @@ def test_forced_device_count_keeps_other_xla_flags_and_replaces_an_earlier_count
   monkeypatch.setenv("XLA_FLAGS", "--xla_backend_optimization_level=0 --xla_force_host_platform_device_count=8")
   assert local_cluster.xla_flags(2).split() == ["--xla_backend_optimization_level=0",
                                                "--xla_force_host_platform_device_count=2"]
+  monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count_x=1")  # another flag, same prefix
+  assert local_cluster.xla_flags(2).split() == ["--xla_force_host_platform_device_count_x=1",
+                                               "--xla_force_host_platform_device_count=2"]
   monkeypatch.delenv("XLA_FLAGS")
   assert local_cluster.process_env(4, 1234)["XLA_FLAGS"] == "--xla_force_host_platform_device_count=4"
+  for bad in (0, -1, 2.5, True, "8"):
+    with pytest.raises(ValueError, match=r"devices must be an int >= 1, got"):
+      local_cluster.xla_flags(bad)
