@@ -126,7 +126,8 @@ def favor_attention(
   ``causal_method``: ``"auto"`` (default: ``"pallas"`` on a GPU where the
   kernel's features allow it, else ``"chunked"``), ``"chunked"`` (exact
   causal chunks of ``chunk_size`` with carried state, XLA), ``"pallas"``
-  (the same chunks as fused Pallas kernels; Pallas's interpreter off GPU),
+  (the same chunks as fused Pallas kernels; Pallas's interpreter off GPU;
+  first derivatives only: a second one raises ``ValueError``),
   ``"scan"`` (the paper's per-token recurrence) or ``"cumsum"``
   (materialised prefix states). On an H200 the fused kernels ran fwd+bwd
   3.4-4.8× faster than ``"chunked"`` with 3.2-3.6× its memory (that code kept

@@ -230,6 +230,23 @@ def _forward(lq, lk, v, blocks):
   return (num, den, m), (mu, s, z)
 
 
+@jax.custom_jvp
+def _first_order_only(x):
+  """x; differentiating it (the backward pass's inputs, under a second derivative) raises a clear error
+  instead of Pallas's own, which names none of the caller's arguments."""
+  return x
+
+
+@_first_order_only.defjvp
+def _first_order_only_jvp(primals, tangents):
+  raise ValueError("causal_method='pallas' has first derivatives only (its backward kernels are not "
+                   "differentiable); for second derivatives (grad of grad, hessian) use causal_method='chunked'")
+
+
+def _floating_first_order(x):
+  return _first_order_only(x) if jnp.issubdtype(x.dtype, jnp.inexact) else x
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _fused(log_rows, blocks, q, k, v, seen, *consts):
   """(numerator [R, L, E], denominator [R, L], row scale m [R, L]) times e^{−m}, the features
@@ -239,6 +256,7 @@ def _fused(log_rows, blocks, q, k, v, seen, *consts):
 
 
 def _fused_fwd(log_rows, blocks, q, k, v, seen, *consts):
+  q, k, v, consts = jax.tree.map(_floating_first_order, (q, k, v, consts))  # a second derivative: clear error
   (num, den, m), states = _forward(*log_rows(q, k, *consts), v, blocks)
   # Kept for the backward: the inputs (not the float32 log features, F/D·4/itemsize times their size:
   # recomputed there) and one state per chunk.
@@ -246,6 +264,7 @@ def _fused_fwd(log_rows, blocks, q, k, v, seen, *consts):
 
 
 def _fused_bwd(log_rows, blocks, res, cts):
+  res, cts = jax.tree.map(_floating_first_order, (res, cts))
   q, k, v, seen, consts, m, (mu, s, z) = res
   (lq, lk), features_vjp = jax.vjp(log_rows, q, k, *consts)
   dnum, dden, _ = cts  # the scale is a constant (as in the XLA pass)

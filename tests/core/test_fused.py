@@ -140,6 +140,20 @@ def test_the_backward_keeps_the_inputs_and_chunk_states_not_the_features():
   assert max(x.size for x in kept) < one_side // 2, sorted((x.shape for x in kept), key=np.prod)[-3:]
 
 
+def test_second_derivatives_are_refused_by_name_and_first_ones_still_run():
+  q, k, v, mask = _inputs(length=20)
+  proj, _ = _params("positive", q, k, mask)
+  total = lambda p: jnp.sum(core.favor_attention(q, k, v, p, causal=True, key_mask=mask, causal_method="pallas",
+                                                 chunk_size=16))
+  assert np.all(np.isfinite(jax.grad(total)(proj)))
+  message = r"causal_method='pallas' has first derivatives only .* use causal_method='chunked'"
+  seconds = [(jax.grad(lambda p: jnp.sum(jax.grad(total)(p) ** 2)), proj), (jax.hessian(total), proj),
+             (jax.grad(lambda c: jnp.sum(jax.vjp(total, proj)[1](c)[0])), 1.0)]  # through the cotangent only
+  for second, at in seconds:
+    with pytest.raises(ValueError, match=message):
+      second(at)
+
+
 def test_forward_and_backward_lower_to_triton_for_a_gpu():
   """What a GPU compiles: Pallas lowers every kernel to Triton here too (unsupported operations fail now)."""
   q, k, v, mask = (x[:1] for x in _inputs(length=128))
