@@ -87,8 +87,9 @@ def sequence_parallel_attention(
                      "computed by the caller, or a running one)")
   if rho is not None and not isinstance(rho, jax.core.Tracer):
     # The kernel's own checks of a concrete statistic (finite, in range): inside the compiled shard_map it
-    # is traced and they cannot run. One token of each example is enough.
-    kern.log_features(query[..., :1, :, :], key[..., :1, :, :], projection, **{kern.statistic: rho})
+    # is traced and they cannot run. Traced here with ρ a constant (nothing computed; one token a row).
+    one = jax.ShapeDtypeStruct(query.shape[:-3] + (1,) + query.shape[-2:], jnp.float32)
+    jax.eval_shape(lambda q: kern.log_features(q, q, projection, **{kern.statistic: rho}), one)
   chunk_size = checks.check_chunk_size(chunk_size)
 
   batch, length = query.shape[:-3], query.shape[-3]
