@@ -74,8 +74,16 @@ def pytest_xdist_make_scheduler(config, log):
         del workload[scope]  # finished: not requeued
       return super().remove_node(node)
 
+    started = False  # the first distribution is done (it gives every worker two files itself)
+
+    def schedule(self):
+      super().schedule()
+      self.started = self.collection is not None
+
     def _assign_work_unit(self, node):
       super()._assign_work_unit(node)
+      if not self.started:
+        return
       if not self.workqueue:  # nothing left to hand out: the node runs what it holds, then stops
         node.shutdown()
       elif self._pending_of(self.assigned_work[node]) < 2:  # a worker starts a test once it holds the next
