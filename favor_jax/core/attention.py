@@ -129,7 +129,10 @@ def favor_attention(
   (the same chunks as fused Pallas kernels; Pallas's interpreter off GPU;
   first derivatives only: a second one raises ``ValueError``),
   ``"scan"`` (the paper's per-token recurrence) or ``"cumsum"``
-  (materialised prefix states). On an H200 the fused kernels ran fwd+bwd
+  (materialised prefix states). ``"chunked"`` and ``"pallas"`` (custom
+  VJPs) are reverse mode only: under ``jax.jvp``/``jax.jacfwd`` JAX raises
+  ``TypeError`` ("can't apply forward-mode autodiff (jvp) to a custom_vjp
+  function"); ``"scan"`` and ``"cumsum"`` take forward mode. On an H200 the fused kernels ran fwd+bwd
   3.4-4.8× faster than ``"chunked"`` with 3.2-3.6× its memory (that code kept
   float32 log features for the backward pass; it now recomputes them, keeping the
   inputs and one state per chunk, not yet measured on a GPU; README "Measured

@@ -221,7 +221,10 @@ def check_qk_transform(qk_transform, *, decode) -> None:
 
 
 def transform_qk(qk_transform, query, key):
-  """``qk_transform(query, key)``, checked: a pair of floating arrays with the shapes it was given."""
+  """``qk_transform(query, key)``, checked: a pair of floating arrays with the shapes it was given; the pair
+  unchanged when ``qk_transform`` is None."""
+  if qk_transform is None:
+    return query, key
   out = qk_transform(query, key)
   if not isinstance(out, (tuple, list)) or len(out) != 2:
     got = f"{type(out).__name__} of {len(out)}" if isinstance(out, (tuple, list)) else type(out).__name__

@@ -143,8 +143,7 @@ class FavorAttention(nn.MultiHeadDotProductAttention):
     if self.normalize_qk:
       ln = lambda name: nn.LayerNorm(name=name, use_bias=False, dtype=self.dtype, param_dtype=self.param_dtype)
       query, key = ln("query_ln")(query), ln("key_ln")(key)
-    if self.qk_transform is not None:
-      query, key = layers.transform_qk(self.qk_transform, query, key)
+    query, key = layers.transform_qk(self.qk_transform, query, key)
     projection = self._projection(qk_dim)
 
     deterministic = True if deterministic is None and self.deterministic is None else (

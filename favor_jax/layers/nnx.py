@@ -188,8 +188,7 @@ class FavorAttention(nnx.MultiHeadAttention):
       query, key = self.query_ln(query), self.key_ln(key)
     decode = self.decode if decode is None else decode
     layers.check_qk_transform(self.qk_transform, decode=decode)  # decode may be asked for at call time
-    if self.qk_transform is not None:
-      query, key = layers.transform_qk(self.qk_transform, query, key)
+    query, key = layers.transform_qk(self.qk_transform, query, key)
 
     if deterministic is None:
       deterministic = True if self.deterministic is None else self.deterministic

@@ -128,6 +128,29 @@ def test_causal_gradients_match_across_methods(method):
     np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5)
 
 
+def test_forward_mode_runs_through_scan_and_cumsum_and_is_refused_by_the_custom_vjp_passes():
+  """The docstring's promise: ``jax.jvp`` through ``"scan"``/``"cumsum"`` equals the explicit quadratic form's
+  (in JAX, differentiated forward); ``"chunked"``/``"pallas"`` are reverse mode only and say so."""
+  q, k, v = _qkv(length=21)
+  proj = _proj()
+  tangents = tuple(jax.random.normal(jax.random.PRNGKey(i), x.shape) for i, x in enumerate((q, k, v)))
+
+  def explicit_out(q, k, v):
+    qf, kf = kernels.positive(q, k, proj, stabilize=False)
+    a = jnp.einsum("blhf,bshf->bhls", qf, kf) * jnp.tril(jnp.ones((21, 21)))
+    return jnp.einsum("bhls,bshd->blhd", a, v) / jnp.moveaxis(a.sum(-1), 1, 2)[..., None]
+
+  _, want = jax.jvp(explicit_out, (q, k, v), tangents)
+  for method in ("scan", "cumsum", "chunked", "pallas"):
+    run = lambda q, k, v: core.favor_attention(q, k, v, proj, causal=True, causal_method=method, chunk_size=16)
+    if method in ("chunked", "pallas"):
+      with pytest.raises(TypeError, match="forward-mode autodiff"):
+        jax.jvp(run, (q, k, v), tangents)
+      continue
+    _, got = jax.jvp(run, (q, k, v), tangents)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5 * np.max(np.abs(want)), err_msg=method)
+
+
 # --- causality ----------------------------------------------------------------------------
 
 @pytest.mark.parametrize("name", ALL_KERNELS)
