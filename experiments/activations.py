@@ -30,12 +30,38 @@ from favor_jax import core, layers
 
 
 def model_config(config):
-  """The training config of the captured model: the config's ``model`` block, softmax attention, no variants."""
+  """The training config of the captured model: the config's ``model`` block, which must be one softmax run."""
   source = copy.deepcopy(config.model)
-  source.attention.type = "softmax"
-  source.variants = ()
-  source.only = ""
+  if source.attention.type != "softmax":
+    raise ValueError(f"model.attention.type must be 'softmax' (the estimators are measured against the exact "
+                     f"attention of a softmax model), got {source.attention.type!r}")
+  if source.variants or source.only:
+    raise ValueError("model.variants and model.only must be empty: the study trains one softmax model, got "
+                     f"{len(source.variants)} variants, only={source.only!r}")
+  training.check_config(source)
   return source
+
+
+def check_study(config) -> None:
+  """The study's own fields, each named when bad (before the model trains)."""
+  names = [e[0] for e in ESTIMATORS]
+  unknown = [n for n in config.estimators if n not in names]
+  if unknown or not config.estimators:
+    raise ValueError(f"config.estimators must name one or more of {names}; unknown: {unknown or 'none given'}")
+  for name in ("fit_batches", "measure_batches", "num_draws", "fit_sequences", "fit_steps"):
+    tasks.positive_int(f"config.{name}", config[name])
+  if not config.features:
+    raise ValueError("config.features must list at least one feature count")
+  for f in config.features:
+    tasks.positive_int("config.features", f)
+  if not config.fit_lr > 0:
+    raise ValueError(f"config.fit_lr must be > 0, got {config.fit_lr!r}")
+
+
+def runs(config) -> list[tuple[str, str, object]]:
+  """[(name, field prefix, training config)]: the captured model's run (``training.check_overrides_used``)."""
+  check_study(config)
+  return [("model", "model.", model_config(config))]
 
 
 def trained_params(config, workdir, progress):
@@ -125,6 +151,7 @@ ESTIMATORS = (("favor+", "positive", 0, "random"), ("hyperbolic", "hyperbolic", 
 
 
 def run(config, progress=print, workdir=None):
+  check_study(config)
   params, model_eval = trained_params(config, workdir, progress)
   source = model_config(config)
   batches = tasks.make_task(source).eval_batches

@@ -74,6 +74,14 @@ def run(config, progress=print, workdir=None):
     records.append(dict(base, kernel="uniform", projection="none", num_features=0, feature_dim=0,
                         mse=mse, mse_ci95=0.0, rel_error=rel, kernel_mse=kmse, draws=1))
     for kernel in config.kernels:
+      if not core.get_kernel(kernel).needs_projection:  # deterministic features: one measurement, no M sweep
+        mse, rel, kmse = measure(kernel, "iid", 1, q, k, v, jax.random.split(jax.random.PRNGKey(0), 1))
+        records.append(dict(base, kernel=kernel, projection="none", num_features=0,
+                            feature_dim=core.kernels.num_features(core.get_kernel(kernel), None, dim),
+                            mse=float(mse[0]), mse_ci95=0.0, rel_error=float(rel[0]), kernel_mse=float(kmse[0]),
+                            draws=1))
+        progress(f"{name} {kernel:>16} {'none':>10} (no projection) mse={records[-1]['mse']:.3e}")
+        continue
       for projection in config.projections:
         for m in config.num_features:
           keys = jax.random.split(jax.random.PRNGKey(config.seed * 7919 + m), config.num_draws)
@@ -164,6 +172,11 @@ def summarize(records, config) -> str:
               "| kernel | projection | " + " | ".join(f"M={m}" for m in config.num_features) + " |",
               "| --- | --- | " + " | ".join("---" for _ in config.num_features) + " |"]
     for kernel in config.kernels:
+      fixed = [r for r in rows if r["kernel"] == kernel and r["projection"] == "none"]
+      if fixed:  # no projection: the same features at every M
+        lines.append(f"| {kernel} | none (no M) | " + " | ".join([f"{fixed[0]['mse']:.2e}"] * len(config.num_features))
+                     + " |")
+        continue
       for projection in config.projections:
         cells = [next(f"{r['mse']:.2e}" for r in rows
                       if r["kernel"] == kernel and r["projection"] == projection and r["num_features"] == m)
@@ -209,7 +222,10 @@ def _plot_setting(records, config, setting, workdir):
   for ax in axes.flat[len(config.kernels):]:
     ax.set_visible(False)
   for ax, kernel in zip(axes.flat, config.kernels):
-    for projection, color in zip(config.projections, plotting.COLORS):
+    fixed = [r["mse"] for r in records if r["setting"] == name and r["kernel"] == kernel and r["projection"] == "none"]
+    if fixed:  # no projection: one value at every M
+      ax.axhline(fixed[0], color="k", label="no projection (same at every M)")
+    for projection, color in zip(config.projections if not fixed else (), plotting.COLORS):
       pts = sorted((r["num_features"], r["mse"], r["mse_ci95"]) for r in records
                    if r["setting"] == name and r["kernel"] == kernel and r["projection"] == projection)
       m, mse, ci = (np.array(x) for x in zip(*pts))
@@ -218,6 +234,7 @@ def _plot_setting(records, config, setting, workdir):
     ax.axhline(uniform, color="gray", ls=":", label="uniform average of v")
     ax.set(title=kernel, xlabel="M (random features)" if ax in axes[-1] else "")
     plotting.log2_ticks(ax, config.num_features)
+    ax.set_xlim(min(config.num_features), max(config.num_features))
     ax.tick_params(axis="x", labelsize=8)
     plotting.plain_log(ax)
     ax.grid(alpha=0.3)

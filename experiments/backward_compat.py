@@ -25,19 +25,43 @@ from experiments import activations, plotting, sweep, tasks, training
 from favor_jax import layers
 
 
+def check_finetune(f) -> None:
+  """The ``finetune`` fields, each named when bad (the fine-tune runs' train.* fields are set from them)."""
+  for name in ("steps", "eval_every", "distill_batches"):
+    tasks.positive_int(f"finetune.{name}", f[name])
+  for name in ("warmup_steps", "distill_steps"):
+    value = f[name]
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+      raise ValueError(f"finetune.{name} must be an int >= 0, got {value!r}")
+  if f.warmup_steps >= f.steps:
+    raise ValueError(f"finetune.warmup_steps must be < finetune.steps={f.steps}, got {f.warmup_steps}")
+  for name in ("lr", "distill_lr"):
+    if not f[name] > 0:
+      raise ValueError(f"finetune.{name} must be > 0, got {f[name]!r}")
+
+
 def phase_configs(config):
   """(pretrain softmax, [(name, fine-tune config)]) with every config checked up front."""
+  check_finetune(config.finetune)
   pretrain = copy.deepcopy(config)
   pretrain.attention.type, pretrain.attention.redraw_every = "softmax", 0
+  pretrain.variants, pretrain.only = (), ""
+  del pretrain["finetune"]  # not the pretraining's: changing it must not stop that run from resuming
   finetunes = []
   for name, c in sweep.variant_configs(config):
     c.train.steps, c.train.lr = config.finetune.steps, config.finetune.lr
-    c.train.warmup_steps = min(config.finetune.warmup_steps, c.train.steps - 1)
+    c.train.warmup_steps = config.finetune.warmup_steps
     c.train.eval_every = c.train.log_every = config.finetune.eval_every
     training.check_config(c)
     finetunes.append((name, c))
   training.check_config(pretrain)
   return pretrain, finetunes
+
+
+def runs(config) -> list[tuple[str, str, object]]:
+  """[(name, field prefix, training config)]: the softmax pretraining and every fine-tune."""
+  pretrain, finetunes = phase_configs(config)
+  return [("pretrain_softmax", "", pretrain)] + [(name, "", c) for name, c in finetunes]
 
 
 def swapped_params(c, pretrained):

@@ -16,7 +16,8 @@ import itertools
 import jax
 import jax.numpy as jnp
 
-from experiments import plotting, speed
+from experiments import plotting, speed, tasks
+from experiments.timing import check_timing
 from favor_jax import core
 from favor_jax.core import attention, fused, shared
 
@@ -41,8 +42,27 @@ def _fn(path, chunk, num_warps, block_f):
   return functools.partial(_pallas_attention, fused.blocks_for(chunk, num_warps=num_warps, block_f=block_f))
 
 
+def check(config) -> None:
+  """The sweep's fields, named when bad, before the first configuration compiles."""
+  check_timing(config)
+  for length in config.seq_lens:
+    tasks.positive_int("config.seq_lens", length)
+  for chunk in config.xla_chunks:
+    tasks.positive_int("config.xla_chunks", chunk)
+  for warps in config.num_warps:
+    tasks.positive_int("config.num_warps", warps)
+  for chunk, block_f in itertools.product(config.pallas_chunks, config.block_fs):
+    try:
+      fused.blocks_for(chunk, block_f=block_f)
+    except ValueError as e:
+      raise ValueError(f"config.pallas_chunks / config.block_fs: {e}") from None
+  if not (config.xla_chunks or config.pallas_chunks):
+    raise ValueError("config.xla_chunks and config.pallas_chunks are both empty: nothing to measure")
+
+
 def run(config, progress=print, workdir=None):
   del workdir
+  check(config)
   records = []
   for length, pass_, (path, chunk, warps, bf) in itertools.product(config.seq_lens, config.passes,
                                                                     configurations(config)):

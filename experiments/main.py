@@ -60,17 +60,6 @@ def machine() -> dict:
               devices=sorted({d.device_kind for d in jax.devices()}))
 
 
-def _flat(tree: dict, prefix: str = "") -> dict:
-  """{"dotted.field": value} of a nested dict."""
-  out = {}
-  for key, value in tree.items():
-    if isinstance(value, dict):
-      out.update(_flat(value, f"{prefix}{key}."))
-    else:
-      out[f"{prefix}{key}"] = value
-  return out
-
-
 def resolve_quick(config, overrides: dict):
   """The config to run, given ``config.quick``.
 
@@ -82,9 +71,9 @@ def resolve_quick(config, overrides: dict):
   """
   name = config.get("config_name", config.experiment)
   module = importlib.import_module(f"experiments.configs.{name}")
-  full, quick = (_flat(common.set_fields(module.get_config(arg), overrides).to_dict())
+  full, quick = (common.flat_fields(common.set_fields(module.get_config(arg), overrides).to_dict())
                  for arg in (None, "quick"))
-  given = _flat(config.to_dict())
+  given = common.flat_fields(config.to_dict())
   for fields in (full, quick, given):
     fields.pop("quick", None)
   differ = sorted(k for k in full.keys() | quick.keys() if full.get(k) != quick.get(k))
@@ -108,11 +97,14 @@ def run(config, workdir, overrides=None) -> list[dict]:
     raise ValueError(f"unknown experiment {config.experiment!r}; choose one of {sorted(STUDIES)}")
   config = resolve_quick(config, overrides)
   common.check_overrides(config, overrides)
+  study = importlib.import_module(STUDIES[config.experiment])
+  if hasattr(study, "runs"):  # a training study: every run checked, and each command-line value read by one
+    from experiments import training
+    training.check_overrides_used(study.runs(config), overrides)
   cluster = cluster_arguments(config.mesh) if config.get("mesh") is not None else None
   workdir = common.check_workdir(workdir)
   if cluster is not None and config.mesh.distributed:
     jax.distributed.initialize(**cluster)  # multi-host: the rest of the cluster from the environment
-  study = importlib.import_module(STUDIES[config.experiment])
   writer = jax.process_index() == 0  # multi-host: every process runs the study, process 0 writes its files
   if writer:
     with open(os.path.join(workdir, "config.json"), "w") as f:

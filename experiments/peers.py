@@ -15,7 +15,7 @@ import os
 import numpy as np
 
 from experiments import isolation, plotting
-from experiments.timing import median_of
+from experiments.timing import check_timing, median_of
 
 INSTALL_HINT = "pip install -e '.[peers]'  (torch CPU and performer-pytorch)"
 
@@ -120,6 +120,7 @@ def approximation(config):
 
 
 def run(config, progress=print, workdir=None):
+  check_timing(config)
   if not peers_available():
     raise SystemExit(f"the peers study needs torch and performer-pytorch: {INSTALL_HINT}")
   records = []

@@ -16,10 +16,12 @@ from jax.sharding import AxisType
 
 from experiments import plotting
 from experiments.speed import inputs, median_seconds
+from experiments.timing import check_timing
 from favor_jax import core, parallel
 
 
 def run(config, progress=print, workdir=None):
+  check_timing(config)
   if jax.device_count() < config.devices:
     raise ValueError(f"config.devices={config.devices} but JAX sees {jax.device_count()} device(s); on a CPU run "
                      f"with XLA_FLAGS=--xla_force_host_platform_device_count={config.devices}")
@@ -35,15 +37,13 @@ def run(config, progress=print, workdir=None):
                  q, k, v, w, mesh=mesh, axis_name="seq", causal=causal)}
       comm = parallel.communication_bytes(config.batch, config.heads, config.num_features, config.head_dim,
                                           config.devices, causal)
-      outs = {}
+      outs = {name: np.asarray(jax.jit(fn)(q, k, v), np.float32) for name, fn in fns.items()}  # agreement
       for name, fn in fns.items():
         split = name == "sequence_parallel"
         for pass_ in config.passes:
           f = fn if pass_ == "fwd" else jax.grad(lambda q, k, v, fn=fn: jnp.sum(fn(q, k, v).astype(jnp.float32)),
                                                  argnums=(0, 1, 2))
           f = jax.jit(f)
-          if pass_ == "fwd":
-            outs[name] = np.asarray(f(q, k, v), np.float32)
           seconds = median_seconds(f, q, k, v, repeats=config.repeats)
           records.append(dict(method=name, causal=causal, seq_len=length, devices=config.devices if split else 1,
                               num_features=config.num_features, head_dim=config.head_dim, heads=config.heads,

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from experiments import isolation, plotting
-from experiments.timing import median_of
+from experiments.timing import check_timing, median_of
 from favor_jax import core
 
 CHUNK = 64  # favor_attention's default chunk_size, for the FLOP count
@@ -210,6 +210,9 @@ def jobs(config, ceiling, limit):
 
 
 def run(config, progress=print, workdir=None):
+  check_timing(config)
+  if config.memory_limit_gb < 0:
+    raise ValueError(f"config.memory_limit_gb must be >= 0 (0: auto), got {config.memory_limit_gb!r}")
   if config.memory not in ("process", "compiled"):
     raise ValueError(f"config.memory must be 'process' or 'compiled', got {config.memory!r}")
   unknown = [m for m in config.methods if m not in EXACT and m not in ESTIMATORS]
@@ -221,6 +224,8 @@ def run(config, progress=print, workdir=None):
   progress(f"matmul ceiling {ceiling:.1f} GFLOP/s ({config.dtype}); memory limit {limit / 2**30:.1f} GiB; "
            f"memory measured: {config.memory}")
   records = []
+  if workdir:  # this run's records only (an earlier run's in the same directory are replaced)
+    open(os.path.join(workdir, "records.jsonl"), "w").close()
   for job in jobs(config, ceiling, limit):
     if config.memory == "process":
       try:

@@ -9,6 +9,7 @@ before the first one starts.
 from __future__ import annotations
 
 import copy
+import json
 import os
 
 import jax
@@ -19,13 +20,25 @@ from favor_jax import core, layers
 
 
 def variant_configs(config) -> list[tuple[str, object]]:
-  """[(name, config with the variant's overrides)], filtered by ``config.only``; each one checked."""
-  out = []
+  """[(name, config with the variant's overrides)], filtered by ``config.only``; each one checked, and no two
+  computing the same (a variant that leaves a field to the config, changed on the command line, would run
+  another variant's config under its own name)."""
+  out, seen = [], {}
   for name, overrides in common.selected_variants(config):
     c = common.set_fields(copy.deepcopy(config), overrides, what=f"variant {name!r} overrides")
     training.check_config(c)
+    fields = json.dumps(training.run_fields(c, resume=False), sort_keys=True)
+    if fields in seen:
+      raise ValueError(f"variants {seen[fields]!r} and {name!r} would run the same config (the command line's "
+                       "values included): a variant must set the fields that make it what its name says")
+    seen[fields] = name
     out.append((name, c))
   return out
+
+
+def runs(config) -> list[tuple[str, str, object]]:
+  """[(name, field prefix, training config)] of every run (``training.check_overrides_used``)."""
+  return [(name, "", c) for name, c in variant_configs(config)]
 
 
 def features(config) -> int:
@@ -47,12 +60,11 @@ def sequence_length(config) -> int:
 
 def attention_fields(config) -> dict:
   """The attention fields a record holds (what ``setting`` describes); those a kernel does not use are empty."""
-  a = config.attention
-  favor = a.type == "favor"
-  random = favor and layers.projection_role(a.kernel) == "random"
-  return dict(attention=a.type, kernel=a.kernel if favor else "", num_features=a.num_features if random else 0,
-              projection=a.projection if random else "", redraw_every=a.redraw_every,
-              window=a.window if favor else 0, qk_head_dim=a.qk_head_dim, short_conv=config.model.short_conv)
+  a, unused = config.attention, training.unused_fields(config)
+  field = lambda name, empty: empty if f"attention.{name}" in unused else a[name]
+  return dict(attention=a.type, kernel=field("kernel", ""), num_features=field("num_features", 0),
+              projection=field("projection", ""), redraw_every=field("redraw_every", 0),
+              window=field("window", 0), qk_head_dim=field("qk_head_dim", 0), short_conv=config.model.short_conv)
 
 
 def final_record(name: str, config, records: list[dict]) -> dict:

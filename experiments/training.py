@@ -93,8 +93,14 @@ def check_config(config) -> None:
          f"attention.qk_head_dim={a.qk_head_dim} is for FAVOR layers; softmax attention uses the model's head dim")
   _check(m.positions != "rotary" or a.qk_head_dim % 2 == 0,
          f"rotary positions need an even attention.qk_head_dim, got {a.qk_head_dim}")
-  _check(a.type == "favor" or a.redraw_every == 0,
-         f"attention.redraw_every={a.redraw_every} has no meaning for softmax attention")
+  _check(a.redraw_every == 0 or "attention.redraw_every" not in unused_fields(config),
+         f"attention.redraw_every={a.redraw_every} has nothing to redraw: "
+         f"{unused_fields(config).get('attention.redraw_every')}")
+  rate = lambda x: isinstance(x, (int, float)) and not isinstance(x, bool) and 0 <= x < 1
+  _check(rate(t.b1) and rate(t.b2),
+         f"train.b1 and train.b2 (AdamW's decay rates) must be floats in [0, 1), got {t.b1!r}, {t.b2!r}")
+  _check(0 <= t.final_lr_fraction <= 1,
+         f"train.final_lr_fraction must be in [0, 1] (of train.lr), got {t.final_lr_fraction!r}")
   mesh = config.mesh
   for name in ("data", "sequence"):
     tasks.positive_int(f"mesh.{name}", mesh[name])
@@ -106,6 +112,36 @@ def check_config(config) -> None:
          f"train.stop_after must be an int in [0, train.steps={t.steps}] (0 = run to the end), "
          f"got {t.stop_after!r}")
   tasks.check_data(config)
+
+
+def unused_fields(config) -> dict:
+  """{dotted attention field: why this run does not read it}: FAVOR's fields under softmax attention, the
+  random projection's (``num_features``, ``projection``, ``redraw_every``) for a kernel without one."""
+  a = config.attention
+  if a.type != "favor":
+    return {f"attention.{k}": "softmax attention has no FAVOR fields" for k in a if k != "type"}
+  if layers.projection_role(a.kernel) != "random":
+    why = f"kernel {a.kernel!r} has no random projection"
+    return {f"attention.{k}": why for k in ("num_features", "projection", "redraw_every")}
+  return {}
+
+
+def check_overrides_used(runs, overrides: dict) -> None:
+  """Stops on a command-line value that no run reads: ``runs`` is [(name, field prefix, training config)]
+  (prefix "" for a sweep's runs, "model." for a study's captured model)."""
+  for field, value in overrides.items():
+    why = {}
+    for name, prefix, c in runs:
+      if field.startswith(prefix):
+        reason = unused_fields(c).get(field[len(prefix):])
+        if reason is None:
+          break  # read by this run
+        why[name] = reason
+    else:
+      if why:
+        reasons = "; ".join(f"{name}: {reason}" for name, reason in why.items())
+        raise ValueError(f"--config.{field}={value!r} is read by none of the runs ({reasons}): drop it, or "
+                         "select runs that read it (--config.only=NAMES, or set the fields they need)")
 
 
 def make_mesh(m) -> Mesh:
@@ -289,6 +325,14 @@ def _raise_if_nonfinite(state: TrainState) -> None:
                              "or use train.clip_norm > 0)")
 
 
+def _checked_eval(metrics: dict, step: int) -> dict:
+  """``metrics`` of an evaluation, or FloatingPointError when its loss is not finite (the parameters are not)."""
+  if not math.isfinite(metrics["eval_loss"]):
+    raise FloatingPointError(f"non-finite eval loss at step {step}: the parameters are not finite; stopping "
+                             "(lower train.lr, check train.b1/b2, or use train.clip_norm > 0)")
+  return metrics
+
+
 def _reason(error: Exception, width: int = 160) -> str:
   text = " ".join(str(error).split())
   return f"{type(error).__name__}: {text[:width]}{'…' if len(text) > width else ''}"
@@ -327,6 +371,44 @@ def open_checkpoints(directory: str, state: TrainState, progress) -> tuple[ocp.C
                      f"({reasons}). If its files are damaged or were written by another config, move or "
                      "delete that directory to start the run over.")
   return checkpoints, state
+
+
+# Fields a resumed run may change: when it logs, evaluates, checkpoints and stops, and its mesh (orbax reshards
+# a checkpoint onto any mesh). A study's own fields (its variants, the config file) are not the run's. Every
+# other field decides what the run computes, so a run directory resumes only under the config it started with.
+MAY_CHANGE_ON_RESUME = ("train.stop_after", "train.log_every", "train.eval_every", "train.checkpoint_every", "mesh")
+NOT_OF_THE_RUN = ("experiment", "config_name", "quick", "variants", "only")
+RUN_CONFIG = "run_config.json"  # in the run directory: the fields it was started with
+
+
+def run_fields(config, resume: bool = True) -> dict:
+  """{dotted field: value} of what ``config`` computes (JSON values: tuples read back as lists): not the
+  study's fields, those the run does not read (``unused_fields``), nor (``resume``) those a resume may change."""
+  flat = common.flat_fields(config.to_dict())
+  skip = (MAY_CHANGE_ON_RESUME if resume else ()) + NOT_OF_THE_RUN
+  unused = unused_fields(config)
+  kept = {k: v for k, v in flat.items()
+          if k not in unused and not any(k == s or k.startswith(s + ".") for s in skip)}
+  return json.loads(json.dumps(kept, default=str))
+
+
+def check_resumed_config(workdir: str, config, step: int) -> None:
+  """A run restored at ``step`` > 0 goes on only under the config it was started with (``RUN_CONFIG``):
+  otherwise the numbers of the finished steps would be reported as this config's."""
+  path = os.path.join(workdir, RUN_CONFIG)
+  restart = f"give another run directory, or delete {workdir} to start this run over"
+  if not os.path.exists(path):
+    raise ValueError(f"{workdir} holds checkpoints (step {step}) but no {RUN_CONFIG} (written by an older "
+                     f"version), so this config cannot be checked against the one it ran: {restart}")
+  with open(path) as f:
+    stored = json.load(f)
+  now = run_fields(config)
+  changed = [f"{k}: {stored.get(k, '(absent)')!r} -> {now.get(k, '(absent)')!r}"
+             for k in sorted(stored.keys() | now.keys()) if stored.get(k, "(absent)") != now.get(k, "(absent)")]
+  if changed:
+    raise ValueError(f"{workdir} holds a run (checkpoint at step {step}) started with another config; resuming "
+                     f"would report its steps as this config's. Changed: {'; '.join(changed)}. Only "
+                     f"{', '.join(MAY_CHANGE_ON_RESUME)} may change on resume: {restart}")
 
 
 class Setup(NamedTuple):
@@ -368,6 +450,11 @@ def train(config, workdir: str, progress=print, init_params=None) -> tuple[list[
   mesh, task, model, optimizer, state, shardings = build(config, init_params, progress)
   checkpoints, state = open_checkpoints(os.path.join(workdir, "checkpoints"), state, progress)
   step, position = int(state.step), int(state.data_position)
+  if step > 0:
+    check_resumed_config(workdir, config, step)
+  elif jax.process_index() == 0:  # a fresh start (any earlier record of a run that never checkpointed is replaced)
+    with open(os.path.join(workdir, RUN_CONFIG), "w") as f:
+      json.dump(run_fields(config), f, indent=1)
   log = MetricsLog(os.path.join(workdir, "metrics.jsonl"), keep_through=step)
   redraw_key = jax.random.PRNGKey(t.seed + 1)  # redraws: a key of their own
   train_step = make_train_step(model, optimizer, config.attention.redraw_every, redraw_key,
@@ -376,7 +463,7 @@ def train(config, workdir: str, progress=print, init_params=None) -> tuple[list[
   lr = make_lr(t)
   if step == 0:
     progress("compiling and running the evaluation at step 0")
-    log.write(dict(kind="eval", step=0, **evaluate(state)))
+    log.write(dict(kind="eval", step=0, **_checked_eval(evaluate(state), 0)))
   if step < end:
     progress(f"compiling the train step (step {step + 1} of {t.steps})")
   start, start_step = time.time(), step
@@ -396,7 +483,7 @@ def train(config, workdir: str, progress=print, init_params=None) -> tuple[list[
                                      unit=" steps", ascii=" #", bar_format=PROGRESS)
       progress(f"{meter} loss {record['train_loss']:.4f}")
     if step % t.eval_every == 0 or step == t.steps:
-      log.write(dict(kind="eval", step=step, **evaluate(state), **timing()))
+      log.write(dict(kind="eval", step=step, **_checked_eval(evaluate(state), step), **timing()))
     if step % t.checkpoint_every == 0 or step == end:
       _raise_if_nonfinite(state)
       checkpoints.save(step, args=ocp.args.StandardSave(state))

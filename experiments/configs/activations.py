@@ -20,7 +20,8 @@ def get_config(arg=None):
   config.experiment = "activations"  # which study experiments.main runs
   config.quick = quick  # True: the quick version (FILE.py:quick); set on the full one, asks for it
   config.seed = 0  # seed of the projection draws and of the fitted maps' initialisation
-  config.model = shakespeare.get_config("quick")  # the captured model's training config (softmax is used)
+  config.model = shakespeare.get_config("quick")  # the captured model's training config: one softmax run
+  config.model.variants, config.model.only = (), ""  # (attention.type is softmax, Shakespeare's default)
   config.model_dir = ""  # run directory of the trained model ("" = WORKDIR/model, trained there if needed)
   config.fit_batches = 2  # held-out batches (of model.train.batch_size) that fit maps and statistics
   config.measure_batches = 2  # the next held-out batches, on which the errors are measured

@@ -30,14 +30,15 @@ def get_config(arg=None):
   config.finetune.distill_batches = 2  # training batches (of train.batch_size) the distillation fits on
   # Each variant fine-tunes from the pretrained softmax weights; "softmax_control" keeps softmax attention.
   window = 16 if quick else 64  # hybrids' exact window: L/8
-  config.variants = (("favor_positive", {}), ("favor_relu", {"attention.kernel": "relu"}),
+  favor = common.favor_variant
+  config.variants = (("favor_positive", favor("positive")), ("favor_relu", favor("relu")),
                      ("softmax_control", {"attention.type": "softmax"}),
                      # Beyond FAVOR+ (same parameter tree as softmax: no qk_head_dim change): FAVOR# (saderf),
                      # FAVOR+ with an exact window, Taylor on the full head dim, Hedgehog (map distilled first).
-                     ("favor_sharp", {"attention.kernel": "saderf"}),
-                     ("favor_positive_window", {"attention.window": window}),
-                     ("taylor", {"attention.kernel": "taylor"}),
-                     ("hedgehog", {"attention.kernel": "hedgehog"}))
+                     ("favor_sharp", favor("saderf")),
+                     ("favor_positive_window", favor("positive", window=window)),
+                     ("taylor", favor("taylor")),
+                     ("hedgehog", favor("hedgehog")))
   if quick:
     config.finetune.update(steps=300, lr=1e-3, eval_every=25)
     config.only = "favor_positive,softmax_control"  # a subset of the variants (overridable)

@@ -34,6 +34,17 @@ def set_fields(config, fields: dict, what: str = "override"):
   return config
 
 
+def flat_fields(tree: dict, prefix: str = "") -> dict:
+  """{"dotted.field": value} of a nested dict (a ConfigDict's ``to_dict()``)."""
+  out = {}
+  for key, value in tree.items():
+    if isinstance(value, dict):
+      out.update(flat_fields(value, f"{prefix}{key}."))
+    else:
+      out[f"{prefix}{key}"] = value
+  return out
+
+
 def with_seeds(variants, seeds) -> tuple:
   """Each (name, fields) variant once per seed: the first seed as given, seed s as "NAME_seedS" with
   ``train.seed`` = s (for means over seeds, ``experiments.sweep.mean_over_seeds``)."""

@@ -33,7 +33,7 @@ def get_config(arg=None):
   favor = common.favor_variant
   window = 12 if quick else 250  # hybrids' exact window (both directions): about L/8
   config.variants = common.with_seeds((
-      ("softmax", {}), ("favor_positive", favor("positive")),
+      ("softmax", {"attention.type": "softmax"}), ("favor_positive", favor("positive")),
       ("favor_positive_redraw", {**favor("positive"), "attention.redraw_every": 500}),
       ("favor_relu", favor("relu")),
       # Beyond FAVOR+: Taylor on q, k of dim 16 (153 features), FAVOR+ with an exact window, Hedgehog, FAVOR#.

@@ -28,7 +28,7 @@ def get_config(arg=None):
   config.train.eval_every = 250  # steps between evaluations
   config.train.checkpoint_every = 500  # steps between checkpoints
   favor = common.favor_variant
-  config.variants = (("softmax", {}),) + tuple(
+  config.variants = (("softmax", {"attention.type": "softmax"}),) + tuple(
       (f"{kernel}_m{m}" + (f"_redraw{redraw}" if redraw else ""), favor(kernel, num_features=m, redraw_every=redraw))
       for kernel in ("positive", "hyperbolic", "relu") for m in (64, 256) for redraw in (0, 100)
       if kernel == "positive" or (m, redraw) == (64, 0)) + (  # the M and redraw ablations on FAVOR+

@@ -22,7 +22,7 @@ def get_config(arg=None):
   config.train.checkpoint_every = 100  # steps between checkpoints
   config.attention.num_features = 64  # M random features per head (head dim 32)
   favor = lambda kernel: {"attention.type": "favor", "attention.kernel": kernel}
-  config.variants = (("softmax", {}),  # exact softmax attention (Flax's)
+  config.variants = (("softmax", {"attention.type": "softmax"}),  # exact softmax attention (Flax's)
                      ("favor_positive", favor("positive")),  # FAVOR+ (positive random features)
                      ("favor_positive_redraw", {**favor("positive"), "attention.redraw_every": 50}),
                      ("favor_relu", favor("relu")))  # ReLU random features (Performer-ReLU)

@@ -32,7 +32,7 @@ def get_config(arg=None):
   config.attention.num_features = 128  # M
   favor = common.favor_variant
   window = 64 if not quick else 16  # hybrids' exact window: L/8
-  config.variants = (("softmax", {}), ("favor_positive", favor("positive")),
+  config.variants = (("softmax", {"attention.type": "softmax"}), ("favor_positive", favor("positive")),
                      ("favor_positive_redraw", {**favor("positive"), "attention.redraw_every": 100}),
                      ("favor_hyperbolic", favor("hyperbolic")), ("favor_relu", favor("relu")),
                      # Beyond FAVOR+: Taylor on q, k of dim 16 (153 features; Based), alone and with an exact

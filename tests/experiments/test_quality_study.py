@@ -210,7 +210,7 @@ def test_conversion_distils_a_learned_map_before_fine_tuning(tmp_path):
   config = tiny_config.shrink(backward_compat_config.get_config("quick"))
   config.data.update(text_dir=EXCERPT, valid_plays=("tempest",), seq_len=L, num_eval_batches=2)
   config.train.steps = 20  # a softmax model with some structure in its attention to distil
-  config.finetune.update(steps=2, eval_every=1, distill_steps=40, distill_lr=3e-2, distill_batches=1)
+  config.finetune.update(steps=2, warmup_steps=1, eval_every=1, distill_steps=40, distill_lr=3e-2, distill_batches=1)
   config.variants = (("hedgehog", {"attention.kernel": "hedgehog"}), ("softmax_control", {"attention.type": "softmax"}))
   hedgehog, control = main.run(config, str(tmp_path))
   # Right after the swap the map is the identity; distillation moves it towards softmax's weights.

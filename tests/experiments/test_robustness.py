@@ -3,6 +3,7 @@
 import copy
 import errno
 import glob
+import importlib
 import json
 import os
 import re
@@ -16,8 +17,11 @@ import numpy as np
 import pytest
 
 from experiments import main, sweep, tasks, training
+from experiments.configs import activations as activations_config
+from experiments.configs import backward_compat as backward_compat_config
 from experiments.configs import common
 from experiments.configs import mqar as mqar_config
+from experiments.configs import quickstart as quickstart_config
 from experiments.configs import shakespeare as shakespeare_config
 from experiments.configs import tiny as tiny_config
 
@@ -201,3 +205,160 @@ def test_no_intact_checkpoint_stops_naming_the_directory(reference, tmp_path):
   assert sorted(os.listdir(checkpoints)) == ["4", "6"]  # nothing moved or deleted
   with open(os.path.join(workdir, "metrics.jsonl")) as f:
     assert f.read() == metrics
+
+
+# --- a run directory resumes only under the config it started with ---------------------------------------
+
+
+def test_resume_under_another_config_stops_naming_each_changed_field(reference, tmp_path):
+  """A finished run resumed with another kernel or learning rate would report its numbers as the new
+  config's; only when to log, evaluate, checkpoint or stop (and the mesh) may change."""
+  ref_dir, _, ref_records, _ = reference
+  workdir = str(tmp_path / "run")
+  shutil.copytree(ref_dir, workdir)
+  changed = tiny_favor()
+  changed.attention.kernel, changed.train.lr = "relu", 0.5
+  with pytest.raises(ValueError, match=r"started with another config.*attention.kernel: 'positive' -> 'relu'; "
+                                       r"train.lr: 0.003 -> 0.5.* delete .*run to start this run over"):
+    training.train(changed, workdir, progress=lambda m: None)
+  cadence = tiny_favor()
+  cadence.train.update(log_every=3, eval_every=6, checkpoint_every=3)
+  messages = []
+  records, _ = training.train(cadence, workdir, progress=messages.append)
+  assert "resumed from the checkpoint at step 6" in messages
+  assert without_timing(records) == without_timing(ref_records)  # nothing trained again
+  os.remove(os.path.join(workdir, training.RUN_CONFIG))
+  with pytest.raises(ValueError, match=r"holds checkpoints \(step 6\) but no run_config.json"):
+    training.train(tiny_favor(), workdir, progress=lambda m: None)
+
+
+def test_run_fields_leave_out_what_the_run_does_not_read():
+  softmax = tiny_config.get_config()
+  other = common.set_fields(copy.deepcopy(softmax), {"attention.kernel": "relu", "attention.num_features": 7,
+                                                     "train.log_every": 3, "only": "x"})
+  assert training.run_fields(other) == training.run_fields(softmax)
+  assert training.run_fields(common.set_fields(other, {"train.seed": 1})) != training.run_fields(softmax)
+
+
+# --- every command-line value is read by a run ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("config,overrides,reason", [
+    (tiny_config.get_config, {"attention.window": 4}, "run: softmax attention has no FAVOR fields"),
+    (tiny_config.get_config, {"attention.type": "favor", "attention.kernel": "taylor", "attention.num_features": 7},
+     "run: kernel 'taylor' has no random projection"),
+    (lambda: mqar_config.get_config("quick"), {"only": "softmax", "attention.projection": "iid"},
+     "softmax: softmax attention"),
+    (lambda: activations_config.get_config("quick"), {"model.attention.kernel": "relu"},
+     "model: softmax attention has no FAVOR fields"),
+])
+def test_a_command_line_value_no_run_reads_stops_the_command(config, overrides, reason, tmp_path, nothing_trains):
+  config, overrides = command_line(config(), overrides)
+  field, value = list(overrides.items())[-1]
+  with pytest.raises(ValueError, match=rf"--config.{re.escape(field)}={re.escape(repr(value))} is read by none "
+                                       rf"of the runs \({re.escape(reason)}"):
+    main.run(config, str(tmp_path / "out"), overrides)
+  assert not (tmp_path / "out").exists()
+
+
+def test_a_value_some_runs_read_applies_to_them():
+  config, overrides = command_line(quickstart_config.get_config("quick"), {"attention.num_features": 32})
+  training.check_overrides_used(sweep.runs(config), overrides)  # favor_positive reads it
+  assert [c.attention.num_features for _, c in sweep.variant_configs(config)] == [32, 32]
+
+
+def test_redraws_are_refused_where_nothing_is_drawn():
+  for fields in ({"attention.redraw_every": 5}, {"attention.type": "favor", "attention.kernel": "hedgehog",
+                                                 "attention.redraw_every": 5}):
+    with pytest.raises(ValueError, match="attention.redraw_every=5 has nothing to redraw"):
+      training.check_config(common.set_fields(tiny_config.get_config(), fields))
+
+
+def test_a_variant_turned_into_another_by_the_command_line_stops():
+  """The softmax variant sets its type, so --config.attention.type=favor clashes with it; variants that
+  would compute the same config under two names are refused."""
+  config, overrides = command_line(quickstart_config.get_config("quick"), {"attention.type": "favor"})
+  with pytest.raises(ValueError, match=r"attention.type=favor would be replaced by variant softmax"):
+    common.check_overrides(config, overrides)
+  config = tiny_config.get_config()
+  config.attention.type = "favor"
+  config.variants = (("favor_positive", {}), ("positive_again", {"attention.kernel": "positive"}))
+  with pytest.raises(ValueError, match="variants 'favor_positive' and 'positive_again' would run the same config"):
+    sweep.variant_configs(config)
+
+
+@pytest.mark.parametrize("fields,message", [
+    ({"train.b1": 1.5}, r"train.b1 and train.b2 .* must be floats in \[0, 1\), got 1.5, 0.98"),
+    ({"train.b2": -2.0}, r"got 0.9, -2.0"),
+    ({"train.final_lr_fraction": -3.0}, r"train.final_lr_fraction must be in \[0, 1\]"),
+])
+def test_optimiser_fields_out_of_range_are_named(fields, message):
+  with pytest.raises(ValueError, match=message):
+    training.check_config(common.set_fields(tiny_config.get_config(), fields))
+
+
+def test_a_non_finite_evaluation_stops_the_run(tmp_path, monkeypatch):
+  monkeypatch.setattr(training, "make_eval", lambda *a: (lambda state: {"eval_loss": float("nan")}))
+  with pytest.raises(FloatingPointError, match="non-finite eval loss at step 0"):
+    training.train(tiny_config.get_config(), str(tmp_path / "run"), progress=lambda m: None)
+
+
+# --- the studies' own fields ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fields,message", [
+    ({"estimators": ("favor+", "favr++")}, r"config.estimators must name one or more of .*unknown: \['favr\+\+'\]"),
+    ({"features": ()}, "config.features must list at least one"),
+    ({"fit_steps": 0}, "config.fit_steps must be a positive int"),
+    ({"model.attention.type": "favor"}, "model.attention.type must be 'softmax'"),
+    ({"model.only": "softmax"}, "model.variants and model.only must be empty"),
+])
+def test_activations_fields_are_checked_before_the_model_trains(fields, message, tmp_path, nothing_trains):
+  config, overrides = command_line(activations_config.get_config("quick"), fields)
+  with pytest.raises(ValueError, match=message):
+    main.run(config, str(tmp_path / "out"), overrides)
+
+
+@pytest.mark.parametrize("fields,message", [
+    ({"finetune.steps": 0}, "finetune.steps must be a positive int"),
+    ({"finetune.eval_every": 0}, "finetune.eval_every must be a positive int"),
+    ({"finetune.lr": -1.0}, "finetune.lr must be > 0"),
+    ({"finetune.distill_steps": -5}, "finetune.distill_steps must be an int >= 0"),
+    ({"finetune.distill_lr": -1.0}, "finetune.distill_lr must be > 0"),
+    ({"finetune.distill_batches": 0}, "finetune.distill_batches must be a positive int"),
+    ({"finetune.warmup_steps": 50, "finetune.steps": 2}, "finetune.warmup_steps must be < finetune.steps=2"),
+])
+def test_backward_compat_finetune_fields_are_named(fields, message, tmp_path, nothing_trains):
+  config, overrides = command_line(backward_compat_config.get_config("quick"), fields)
+  with pytest.raises(ValueError, match=message):
+    main.run(config, str(tmp_path / "out"), overrides)
+
+
+@pytest.mark.parametrize("study", ["speed", "blocks", "sequence_parallel"])
+@pytest.mark.parametrize("fields,message", [
+    ({"passes": ("fw",)}, r"config.passes must be a tuple of one or more of \('fwd', 'fwd_bwd'\), got \('fw',\)"),
+    ({"passes": ()}, "config.passes must be"),
+    ({"repeats": 0}, "config.repeats must be an int >= 1"),
+])
+def test_benchmark_passes_and_repeats_are_checked_before_anything_runs(study, fields, message, tmp_path,
+                                                                       monkeypatch):
+  module = importlib.import_module(f"experiments.{study}")
+  for timed in (module, importlib.import_module("experiments.speed")):
+    monkeypatch.setattr(timed, "median_seconds", lambda *a, **k: pytest.fail("timed despite bad input"),
+                        raising=False)
+  config = common.set_fields(importlib.import_module(f"experiments.configs.{study}").get_config("quick"), fields)
+  with pytest.raises(ValueError, match=message):
+    module.run(config, progress=lambda m: None, workdir=str(tmp_path))
+
+
+@pytest.mark.parametrize("fields,message", [
+    ({"xla_chunks": (0, 16)}, "config.xla_chunks must be a positive int, got 0"),
+    ({"pallas_chunks": (24,)}, "config.pallas_chunks / config.block_fs: .*power of two >= 16, got 24"),
+    ({"block_fs": (8,)}, "block_f must be a power of two >= 16, got 8"),
+])
+def test_block_sweep_choices_are_checked_up_front(fields, message, monkeypatch):
+  from experiments import blocks
+  from experiments.configs import blocks as blocks_config
+  monkeypatch.setattr(blocks.speed, "median_seconds", lambda *a, **k: pytest.fail("timed despite bad input"))
+  with pytest.raises(ValueError, match=message):
+    blocks.run(common.set_fields(blocks_config.get_config("quick"), fields), progress=lambda m: None)

