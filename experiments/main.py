@@ -27,6 +27,7 @@ import importlib
 import json
 import os
 import platform
+import sys
 import time
 
 import jax
@@ -146,6 +147,18 @@ def cluster_arguments(mesh) -> dict:
   return given
 
 
+def parse_flags(argv):
+  """absl's flag parsing, where a ``--config.FIELD`` naming no field of the config ends the command with
+  ml_collections' message (and its suggestion), not a traceback."""
+  try:
+    return flags.FLAGS(argv)
+  except (AttributeError, KeyError) as e:  # ml_collections: a field (or a parent field) that does not exist
+    given = " ".join(a for a in argv[1:] if a.startswith("--config."))
+    inner = e.args[0] if e.args else e  # a KeyError's message, or (a leaf) one wrapped in AttributeError
+    text = str(inner.args[0] if isinstance(inner, KeyError) and inner.args else inner)
+    sys.exit(f"error: a --config.FIELD names no field of the config: {' '.join(text.split())} (given: {given})")
+
+
 def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)  # orbax logs every checkpoint step at INFO
@@ -155,4 +168,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=parse_flags)

@@ -34,6 +34,17 @@ def test_command_line_overrides_and_bad_experiment(tmp_path):
   assert not (tmp_path / "results.json").exists()
 
 
+@pytest.mark.parametrize("flag,wrong,right", [("train.stepz", "stepz", "steps"), ("trian.steps", "trian", "train")])
+def test_a_misspelled_field_ends_the_command_with_a_suggestion_not_a_traceback(flag, wrong, right, tmp_path):
+  cmd = [sys.executable, "-m", "experiments.main", "--config=experiments/configs/tiny.py",
+         f"--workdir={tmp_path / 'out'}", f"--config.{flag}=5"]
+  out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+  assert out.returncode == 1 and "Traceback" not in out.stderr
+  assert (f"a --config.FIELD names no field of the config: '{wrong}' Did you mean \"{right}\" instead of "
+          f"\"{wrong}\"? (given: --config.{flag}=5)") in out.stderr
+  assert not (tmp_path / "out").exists()
+
+
 def test_notebook_executes(tmp_path, monkeypatch):
   nbformat = pytest.importorskip("nbformat")
   nbclient = pytest.importorskip("nbclient")
