@@ -151,7 +151,7 @@ def key_mask_from_flax(mask, key) -> Array | None:
   ok = mask.ndim >= 3 and mask.shape[-1] == lk and mask.shape[-2] == 1 and mask.shape[-3] == 1
   if ok:
     try:
-      jnp.broadcast_shapes(mask.shape[:-3], batch)
+      ok = jnp.broadcast_shapes(mask.shape[:-3], batch) == tuple(batch)  # no batch dims beyond the input's
     except ValueError:
       ok = False
   if not ok:
@@ -159,8 +159,56 @@ def key_mask_from_flax(mask, key) -> Array | None:
         f"FAVOR attention honours only key-padding masks of shape [batch..., 1, 1, Lk] = "
         f"{batch + (1, 1, lk)}; got mask shape {mask.shape}. Pass a padding mask such as "
         "`pad[..., None, None, :]` (or nn.make_attention_mask(jnp.ones(pad.shape[:-1] + (1,)), pad)); "
-        "for causal attention use causal=True / is_causal=True, not a causal mask.")
+        "for causal attention build the layer with causal=True (make_attention_fn: causal=True or "
+        "is_causal=True), not a causal mask.")
   return jnp.broadcast_to(mask[..., 0, 0, :].astype(bool), batch + (lk,))
+
+
+def check_inputs(inputs_q, inputs_k, inputs_v):
+  """(inputs_q, inputs_k, inputs_v) as Flax's attention reads them: keys default to the queries, values to
+  the keys; values without keys are refused, as Flax refuses them."""
+  if inputs_k is None and inputs_v is not None:
+    raise ValueError("inputs_v given with inputs_k=None: pass the keys' input as inputs_k too (the same array "
+                     "for both if keys and values come from one input; Flax refuses this as well)")
+  inputs_k = inputs_q if inputs_k is None else inputs_k
+  return inputs_q, inputs_k, inputs_k if inputs_v is None else inputs_v
+
+
+def resolve_deterministic(dropout_rate, own, given) -> bool:
+  """The call's ``deterministic`` (``given``, else the layer's ``own``; neither: True). With
+  ``dropout_rate`` > 0 one must be set, as Flax asks: FAVOR attention has no weights to drop, so True runs
+  without dropout and False is refused (``check_dropout``)."""
+  value = own if given is None else given
+  if value is None:
+    if dropout_rate:
+      raise ValueError(f"dropout_rate={dropout_rate} needs deterministic, given to the layer or the call (as "
+                       "Flax's attention asks): True runs without dropout; False is refused, FAVOR attention "
+                       "has no attention weights to drop")
+    value = True
+  check_dropout(dropout_rate, value)
+  return bool(value)
+
+
+def check_running_statistic(kernel, *, train: bool, decode: bool, mutable: bool = True) -> None:
+  """A running statistic (FAVOR++'s ρ) is updated in training only where it can be: its collection mutable
+  (Linen), and not while decoding (the cached states were built with the ρ before)."""
+  if not train:
+    return
+  name = core.get_kernel(kernel).statistic
+  if decode:
+    raise ValueError(f"decoding with deterministic=False would update the running {name} of kernel {kernel!r} "
+                     "from single tokens while the cache holds states built with the earlier one: decode with "
+                     "deterministic=True (NNX: model.eval())")
+  if not mutable:
+    raise ValueError(f"deterministic=False updates the running {name} of kernel {kernel!r} in the 'favor' "
+                     "collection, which this apply cannot change: pass mutable=['favor'] (or "
+                     "deterministic=True to use it as it is)")
+
+
+def check_rho_momentum(rho_momentum) -> None:
+  if isinstance(rho_momentum, bool) or not isinstance(rho_momentum, (int, float)) or not 0 <= rho_momentum <= 1:
+    raise ValueError(f"rho_momentum must be a float in [0, 1] (the running statistic's weight on its past), "
+                     f"got {rho_momentum!r}")
 
 
 def check_dropout(dropout_rate, deterministic) -> None:
@@ -240,11 +288,14 @@ def transform_qk(qk_transform, query, key):
   return tuple(out)
 
 
-def check_sequence_parallel(mesh, sequence_axis, *, causal_method, decode, window) -> None:
+def check_sequence_parallel(mesh, sequence_axis, *, causal_method, decode, window, batch_axis=None) -> None:
   """A layer's ``mesh``/``sequence_axis``: both or neither, and nothing the sequence-parallel pass ignores."""
   if (mesh is None) != (sequence_axis is None):
     raise ValueError("sequence-parallel attention needs both mesh and sequence_axis (or neither)")
   if sequence_axis is None:
+    if batch_axis is not None:
+      raise ValueError(f"batch_axis={batch_axis!r} splits the batch of sequence-parallel attention: it needs "
+                       "mesh and sequence_axis too (or drop batch_axis)")
     return
   check_causal_method(causal_method, "sequence_axis (sequence-parallel attention)")
   if decode:

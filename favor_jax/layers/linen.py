@@ -115,8 +115,9 @@ class FavorAttention(nn.MultiHeadDotProductAttention):
                             per_head_projection=self.per_head_projection, qk_head_dim=self.qk_head_dim,
                             causal_method=self.causal_method)
     layers.check_sequence_parallel(self.mesh, self.sequence_axis, causal_method=self.causal_method,
-                                   decode=self.decode, window=self.window)
+                                   decode=self.decode, window=self.window, batch_axis=self.batch_axis)
     layers.check_qk_transform(self.qk_transform, decode=self.decode)
+    layers.check_rho_momentum(self.rho_momentum)
 
   @nn.compact
   def __call__(self, inputs_q, inputs_k=None, inputs_v=None, *, mask=None, deterministic=None,
@@ -125,8 +126,7 @@ class FavorAttention(nn.MultiHeadDotProductAttention):
     self._check_config()
     if sow_weights:
       raise ValueError("sow_weights is not supported: FAVOR attention never forms attention weights")
-    inputs_k = inputs_q if inputs_k is None else inputs_k
-    inputs_v = inputs_k if inputs_v is None else inputs_v
+    inputs_q, inputs_k, inputs_v = layers.check_inputs(inputs_q, inputs_k, inputs_v)
     features = self.out_features or inputs_q.shape[-1]
     qkv_features = self.qkv_features or inputs_q.shape[-1]
     if qkv_features % self.num_heads:
@@ -146,9 +146,7 @@ class FavorAttention(nn.MultiHeadDotProductAttention):
     query, key = layers.transform_qk(self.qk_transform, query, key)
     projection = self._projection(qk_dim)
 
-    deterministic = True if deterministic is None and self.deterministic is None else (
-        self.deterministic if deterministic is None else deterministic)
-    layers.check_dropout(self.dropout_rate, deterministic)
+    deterministic = layers.resolve_deterministic(self.dropout_rate, self.deterministic, deterministic)
     key_mask = layers.key_mask_from_flax(mask, key)
     rho = self._running_statistic(query, key, key_mask, train=not deterministic)
     attend = dict(kernel=self.kernel, key_mask=key_mask, rho=rho, chunk_size=self.chunk_size)
@@ -201,7 +199,11 @@ class FavorAttention(nn.MultiHeadDotProductAttention):
     kern = core.get_kernel(self.kernel)
     stat = self.variable("favor", kern.statistic, layers.initial_statistic, self.kernel, *query.shape[-2:])
     used = stat.value
-    if train and self.is_mutable_collection("favor") and not self.is_initializing():
+    if self.is_initializing():
+      return used
+    layers.check_running_statistic(self.kernel, train=train, decode=self.decode,
+                                   mutable=self.is_mutable_collection("favor"))
+    if train:
       stat.value = layers.updated_statistic(self.kernel, used, query, key, key_mask, self.rho_momentum)
     return used
 

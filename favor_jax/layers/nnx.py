@@ -86,8 +86,9 @@ class FavorAttention(nnx.MultiHeadAttention):
                             per_head_projection=per_head_projection, qk_head_dim=qk_head_dim,
                             causal_method=causal_method)
     layers.check_sequence_parallel(mesh, sequence_axis, causal_method=causal_method,
-                                   decode=flax_kwargs.get("decode", False), window=window)
+                                   decode=flax_kwargs.get("decode", False), window=window, batch_axis=batch_axis)
     layers.check_qk_transform(qk_transform, decode=flax_kwargs.get("decode", False))
+    layers.check_rho_momentum(rho_momentum)
     super().__init__(num_heads, in_features, qkv_features, out_features, rngs=rngs, **flax_kwargs)
     self.kernel = kernel
     self.projection_kind = layers.projection_kind(projection)
@@ -175,12 +176,17 @@ class FavorAttention(nnx.MultiHeadAttention):
     self.decode_state = nnx.data(None)
 
   def __call__(self, inputs_q, inputs_k=None, inputs_v=None, *, mask=None, deterministic=None,
-               rngs=None, sow_weights=False, decode=None):
+               rngs=None, sow_weights=False, decode=None, is_causal=False, out_sharding=None, qkv_sharding=None):
     del rngs
     if sow_weights:
       raise ValueError("sow_weights is not supported: FAVOR attention never forms attention weights")
-    inputs_k = inputs_q if inputs_k is None else inputs_k
-    inputs_v = inputs_k if inputs_v is None else inputs_v
+    if is_causal and not self.causal:
+      raise ValueError("is_causal=True on a layer built with causal=False: build it with causal=True (its "
+                       "causal pass, running statistic and decoding are fixed at construction)")
+    if out_sharding is not None or qkv_sharding is not None:
+      raise ValueError("out_sharding and qkv_sharding are not supported by FavorAttention: split the sequence "
+                       "with mesh, sequence_axis and batch_axis")
+    inputs_q, inputs_k, inputs_v = layers.check_inputs(inputs_q, inputs_k, inputs_v)
     if inputs_q.shape[-1] != self.in_features:
       raise ValueError(f"inputs_q has {inputs_q.shape[-1]} features, the module expects {self.in_features}")
     query, key, value = self.query(inputs_q), self.key(inputs_k), self.value(inputs_v)
@@ -190,13 +196,12 @@ class FavorAttention(nnx.MultiHeadAttention):
     layers.check_qk_transform(self.qk_transform, decode=decode)  # decode may be asked for at call time
     query, key = layers.transform_qk(self.qk_transform, query, key)
 
-    if deterministic is None:
-      deterministic = True if self.deterministic is None else self.deterministic
-    layers.check_dropout(self.dropout_rate, deterministic)
+    deterministic = layers.resolve_deterministic(self.dropout_rate, self.deterministic, deterministic)
     key_mask = layers.key_mask_from_flax(mask, key)
     rho = None
     if self.statistic is not None:
       rho = self.statistic.get_value()
+      layers.check_running_statistic(self.kernel, train=not deterministic, decode=decode)
       if not deterministic:
         self.statistic.set_value(
             layers.updated_statistic(self.kernel, rho, query, key, key_mask, self.rho_momentum))

@@ -140,14 +140,14 @@ def test_forward_mode_runs_through_scan_and_cumsum_and_is_refused_by_the_custom_
     a = jnp.einsum("blhf,bshf->bhls", qf, kf) * jnp.tril(jnp.ones((21, 21)))
     return jnp.einsum("bhls,bshd->blhd", a, v) / jnp.moveaxis(a.sum(-1), 1, 2)[..., None]
 
-  _, want = jax.jvp(explicit_out, (q, k, v), tangents)
+  _, want = jax.jit(lambda p, t: jax.jvp(explicit_out, p, t))((q, k, v), tangents)
   for method in ("scan", "cumsum", "chunked", "pallas"):
     run = lambda q, k, v: core.favor_attention(q, k, v, proj, causal=True, causal_method=method, chunk_size=16)
     if method in ("chunked", "pallas"):
       with pytest.raises(TypeError, match="forward-mode autodiff"):
         jax.jvp(run, (q, k, v), tangents)
       continue
-    _, got = jax.jvp(run, (q, k, v), tangents)
+    _, got = jax.jit(lambda p, t: jax.jvp(run, p, t))((q, k, v), tangents)
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5 * np.max(np.abs(want)), err_msg=method)
 
 

@@ -243,3 +243,96 @@ def test_an_empty_sequence_is_a_clear_error_in_the_layers(api, causal):
       layer.apply(_base_variables(), x)
     else:
       fnnx.FavorAttention(H, F, num_features=M, causal=causal, decode=False, rngs=nnx.Rngs(0))(x)
+
+
+# --- arguments the layers cannot honour are refused, not ignored (a hostile audit's findings) --------------
+
+
+def _running(api, **kw):
+  """A causal FAVOR++ layer (running ρ) of each API, with its variables (Linen) or itself (NNX)."""
+  if api == "linen":
+    layer = flin.FavorAttention(num_heads=H, num_features=M, causal=True, kernel="optimal_positive", **kw)
+    return layer, layer.init(jax.random.PRNGKey(0), _x(length=8))
+  return fnnx.FavorAttention(H, F, num_features=M, causal=True, kernel="optimal_positive", decode=False,
+                             rngs=nnx.Rngs(0), **kw), None
+
+
+@pytest.mark.parametrize("api", ["linen", "nnx"])
+def test_decoding_in_training_mode_would_move_rho_under_the_cache_and_is_refused(api):
+  """A decoded token in training mode updated ρ from that one token while the cache held states built with
+  the earlier ρ (0.7 off the full causal pass, for outputs of size ~4); eval-mode decoding stays exact."""
+  x = _x(length=6)
+  if api == "linen":
+    layer = flin.FavorAttention(num_heads=H, num_features=M, causal=True, kernel="optimal_positive", decode=True)
+    variables = layer.init(jax.random.PRNGKey(0), x)
+    with pytest.raises(ValueError, match="decoding with deterministic=False would update the running rho"):
+      layer.apply(variables, x[:, :1], deterministic=False, mutable=["cache", "favor"])
+    layer.apply(variables, x[:, :1], deterministic=True, mutable=["cache"])
+  else:
+    layer, _ = _running(api)
+    layer(2 * x, deterministic=False)  # a non-zero ρ
+    layer.init_cache(x.shape)
+    with pytest.raises(ValueError, match="decoding with deterministic=False would update the running rho"):
+      layer(x[:, :1], decode=True, deterministic=False)
+    rho = np.asarray(layer.statistic.get_value())
+    steps = [layer(x[:, t:t + 1], decode=True, deterministic=True) for t in range(6)]
+    np.testing.assert_array_equal(layer.statistic.get_value(), rho)
+    np.testing.assert_allclose(jnp.concatenate(steps, 1), layer(x), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("api", ["linen", "nnx"])
+@pytest.mark.parametrize("momentum", [-0.5, 1.5, float("nan"), True, "0.9"])
+def test_rho_momentum_outside_zero_one_is_refused_by_name(api, momentum):
+  with pytest.raises(ValueError, match=r"rho_momentum must be a float in \[0, 1\]"):
+    _running(api, rho_momentum=momentum)
+
+
+@pytest.mark.parametrize("api", ["linen", "nnx"])
+def test_dropout_without_deterministic_anywhere_is_refused_as_flax_refuses_it(api):
+  x = _x(length=5)
+  if api == "linen":
+    layer = flin.FavorAttention(num_heads=H, num_features=M, dropout_rate=0.5)
+    variables = layer.init(jax.random.PRNGKey(0), x, deterministic=True)
+    call = lambda **kw: layer.apply(variables, x, **kw)
+  else:
+    layer = fnnx.FavorAttention(H, F, num_features=M, dropout_rate=0.5, decode=False, rngs=nnx.Rngs(0))
+    call = lambda **kw: layer(x, **kw)
+  with pytest.raises(ValueError, match="dropout_rate=0.5 needs deterministic"):
+    call()
+  with pytest.raises(ValueError, match="attention dropout .* is not supported"):
+    call(deterministic=False)
+  assert np.all(np.isfinite(call(deterministic=True)))
+
+
+def test_linen_training_mode_without_a_mutable_favor_collection_is_refused():
+  """It skipped the ρ update silently: ρ stayed 0 (plain FAVOR+) for the whole run."""
+  layer, variables = _running("linen")
+  with pytest.raises(ValueError, match=r"pass mutable=\['favor'\]"):
+    layer.apply(variables, _x(length=8), deterministic=False)
+  _, updated = layer.apply(variables, _x(length=8), deterministic=False, mutable=["favor"])
+  assert np.all(np.asarray(updated["favor"]["rho"]) > 0)
+
+
+@pytest.mark.parametrize("api", ["linen", "nnx"])
+def test_values_without_keys_a_lone_batch_axis_and_a_mask_with_extra_dims_are_refused(api):
+  x = _x(length=5)
+  if api == "linen":
+    make = lambda **kw: flin.FavorAttention(num_heads=H, num_features=M, **kw)
+    variables = make().init(jax.random.PRNGKey(0), x)
+    call = lambda *a, **kw: make().apply(variables, *a, **kw)
+    with pytest.raises(ValueError, match="batch_axis='data' splits the batch .* needs mesh and sequence_axis"):
+      make(batch_axis="data").init(jax.random.PRNGKey(0), x)
+  else:
+    layer = fnnx.FavorAttention(H, F, num_features=M, decode=False, rngs=nnx.Rngs(0))
+    call = layer
+    with pytest.raises(ValueError, match="batch_axis='data' splits the batch .* needs mesh and sequence_axis"):
+      fnnx.FavorAttention(H, F, num_features=M, decode=False, batch_axis="data", rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="is_causal=True on a layer built with causal=False"):
+      layer(x, is_causal=True)
+    with pytest.raises(ValueError, match="out_sharding and qkv_sharding are not supported"):
+      layer(x, out_sharding=("data",))
+  with pytest.raises(ValueError, match="inputs_v given with inputs_k=None"):
+    call(x, None, 2 * x)
+  with pytest.raises(ValueError, match=r"key-padding masks of shape \[batch..., 1, 1, Lk\]"):
+    call(x, mask=jnp.ones((2, B, 1, 1, 5), bool))
+  np.testing.assert_allclose(call(x, mask=jnp.ones((B, 1, 1, 5), bool)), call(x), rtol=1e-6)
