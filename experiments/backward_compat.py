@@ -29,10 +29,8 @@ def check_finetune(f) -> None:
   """The ``finetune`` fields, each named when bad (the fine-tune runs' train.* fields are set from them)."""
   for name in ("steps", "eval_every", "distill_batches"):
     tasks.positive_int(f"finetune.{name}", f[name])
-  for name in ("warmup_steps", "distill_steps"):
-    value = f[name]
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-      raise ValueError(f"finetune.{name} must be an int >= 0, got {value!r}")
+  training._count("finetune.warmup_steps", f.warmup_steps, "no warmup")
+  training._count("finetune.distill_steps", f.distill_steps, "no distillation")
   if f.warmup_steps >= f.steps:
     raise ValueError(f"finetune.warmup_steps must be < finetune.steps={f.steps}, got {f.warmup_steps}")
   for name in ("lr", "distill_lr"):
