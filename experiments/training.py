@@ -116,14 +116,18 @@ def check_config(config) -> None:
 
 def unused_fields(config) -> dict:
   """{dotted attention field: why this run does not read it}: FAVOR's fields under softmax attention, the
-  random projection's (``num_features``, ``projection``, ``redraw_every``) for a kernel without one."""
+  random projection's (``num_features``, ``projection``, ``redraw_every``) for a kernel without one,
+  ``chunk_size`` where nothing is chunked (a classifier's bidirectional attention without a window)."""
   a = config.attention
   if a.type != "favor":
     return {f"attention.{k}": "softmax attention has no FAVOR fields" for k in a if k != "type"}
+  unused = {}
   if layers.projection_role(a.kernel) != "random":
     why = f"kernel {a.kernel!r} has no random projection"
-    return {f"attention.{k}": why for k in ("num_features", "projection", "redraw_every")}
-  return {}
+    unused.update({f"attention.{k}": why for k in ("num_features", "projection", "redraw_every")})
+  if not a.window and not tasks.is_causal(config.task):
+    unused["attention.chunk_size"] = f"task {config.task!r} attends both ways and attention.window is 0: no chunks"
+  return unused
 
 
 def check_overrides_used(runs, overrides: dict) -> None:
@@ -338,18 +342,22 @@ def _reason(error: Exception, width: int = 160) -> str:
   return f"{type(error).__name__}: {text[:width]}{'…' if len(text) > width else ''}"
 
 
-def open_checkpoints(directory: str, state: TrainState, progress) -> tuple[ocp.CheckpointManager, TrainState]:
+def open_checkpoints(directory: str, state: TrainState, progress,
+                     check_resume=lambda newest_step: None) -> tuple[ocp.CheckpointManager, TrainState]:
   """The checkpoint manager of ``directory`` and the newest checkpoint that restores (else ``state``).
 
-  A step that does not restore (a truncated, zeroed or missing file) is skipped and, once an older step
-  restores, moved to ``directory/damaged/``: orbax saves no step at or before its newest one, so left in
-  place it would keep the resumed run from checkpointing. If no step restores, nothing is moved and a
-  ValueError names the directory.
+  ``check_resume(newest step)`` runs before anything is restored when ``directory`` holds a checkpoint (so a
+  config that cannot resume there is named before orbax compares array shapes). A step that does not restore
+  (a truncated, zeroed or missing file) is skipped and, once an older step restores, moved to
+  ``directory/damaged/``: orbax saves no step at or before its newest one, so left in place it would keep the
+  resumed run from checkpointing. If no step restores, nothing is moved and a ValueError names the directory.
   """
   directory = os.path.abspath(directory)
   checkpoints = ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(max_to_keep=2))
-  damaged = []
-  for step in sorted(checkpoints.all_steps(), reverse=True):
+  damaged, steps = [], sorted(checkpoints.all_steps(), reverse=True)
+  if steps:
+    check_resume(steps[0])
+  for step in steps:
     try:
       restored = checkpoints.restore(step, args=ocp.args.StandardRestore(state))
     except Exception as e:  # orbax and tensorstore raise many types (JSON, tree structure, data loss, ...)
@@ -393,8 +401,8 @@ def run_fields(config, resume: bool = True) -> dict:
 
 
 def check_resumed_config(workdir: str, config, step: int) -> None:
-  """A run restored at ``step`` > 0 goes on only under the config it was started with (``RUN_CONFIG``):
-  otherwise the numbers of the finished steps would be reported as this config's."""
+  """A run whose checkpoints reach ``step`` > 0 goes on only under the config it was started with
+  (``RUN_CONFIG``): otherwise the numbers of the finished steps would be reported as this config's."""
   path = os.path.join(workdir, RUN_CONFIG)
   restart = f"give another run directory, or delete {workdir} to start this run over"
   if not os.path.exists(path):
@@ -448,11 +456,10 @@ def train(config, workdir: str, progress=print, init_params=None) -> tuple[list[
   end = t.stop_after or t.steps
   common.check_workdir(workdir, "the run directory")
   mesh, task, model, optimizer, state, shardings = build(config, init_params, progress)
-  checkpoints, state = open_checkpoints(os.path.join(workdir, "checkpoints"), state, progress)
+  checkpoints, state = open_checkpoints(os.path.join(workdir, "checkpoints"), state, progress,
+                                       check_resume=lambda newest: check_resumed_config(workdir, config, newest))
   step, position = int(state.step), int(state.data_position)
-  if step > 0:
-    check_resumed_config(workdir, config, step)
-  elif jax.process_index() == 0:  # a fresh start (any earlier record of a run that never checkpointed is replaced)
+  if step == 0 and jax.process_index() == 0:  # a fresh start (a record of a run that never checkpointed is replaced)
     with open(os.path.join(workdir, RUN_CONFIG), "w") as f:
       json.dump(run_fields(config), f, indent=1)
   log = MetricsLog(os.path.join(workdir, "metrics.jsonl"), keep_through=step)

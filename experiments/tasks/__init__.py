@@ -47,6 +47,11 @@ def make_task(config) -> Task:
   return _module(config.task).make_task(config.data, batch_size=config.train.batch_size, seed=config.train.seed)
 
 
+def is_causal(task: str) -> bool:
+  """Whether ``task`` trains a causal language model (``Task.num_classes`` 0) rather than a classifier."""
+  return _module(task).NUM_CLASSES == 0
+
+
 def check_data(config) -> None:
   """Rejects bad ``config.data`` values with a message naming the field (before anything is built)."""
   _module(config.task).check_data(config.data)

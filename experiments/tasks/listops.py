@@ -21,6 +21,8 @@ OPERATORS = ("[MIN", "[MAX", "[MED", "[SM")
 VOCAB = {**{str(d): d + 1 for d in range(10)}, **{op: 11 + i for i, op in enumerate(OPERATORS)}, "]": 15}
 NODE_IS_OPERATOR_P = 0.25
 
+NUM_CLASSES = 10  # the ten digits a ListOps expression evaluates to: an encoder classifier
+
 
 def apply(op: str, args: list[int]) -> int:
   if op == "[MIN":
@@ -81,5 +83,5 @@ def make_task(data, batch_size: int, seed: int) -> Task:
   eval_batches = [Batch(eval_tokens[i:i + batch_size], eval_labels[i:i + batch_size],
                         np.ones(len(eval_labels[i:i + batch_size]), np.float32))
                   for i in range(0, data.num_eval, batch_size)]
-  return Task(name="listops", vocab_size=len(VOCAB) + 1, num_classes=10, metric="eval_accuracy",
+  return Task(name="listops", vocab_size=len(VOCAB) + 1, num_classes=NUM_CLASSES, metric="eval_accuracy",
               max_len=data.max_length, train_batch=train_batch, eval_batches=eval_batches)

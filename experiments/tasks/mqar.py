@@ -15,6 +15,8 @@ import numpy as np
 
 from experiments.tasks import Batch, Task, positive_int, stream_rng
 
+NUM_CLASSES = 0  # a causal language model (next-token targets)
+
 
 def check_data(data) -> None:
   for name in ("seq_len", "num_kv_pairs", "vocab_size", "num_eval_batches"):
@@ -59,6 +61,7 @@ def make_task(data, batch_size: int, seed: int) -> Task:
   check_data(data)
   draw = lambda rng: sample(rng, batch_size, data.seq_len, data.num_kv_pairs, data.vocab_size,
                             data.power_a, data.random_non_queries)
-  return Task(name="mqar", vocab_size=data.vocab_size, num_classes=0, metric="eval_accuracy", max_len=data.seq_len,
+  return Task(name="mqar", vocab_size=data.vocab_size, num_classes=NUM_CLASSES, metric="eval_accuracy",
+              max_len=data.seq_len,
               train_batch=lambda position: draw(stream_rng(seed, 0, position)),
               eval_batches=[draw(stream_rng(seed, 1, i)) for i in range(data.num_eval_batches)])

@@ -46,6 +46,8 @@ ACCEPT = "application/vnd.pypi.simple.v1+json, text/html;q=0.1"  # PEP 691 JSON,
 class IndexUnreachable(ConnectionError):
   """No answer from a configured package index (no network, name lookup, refused, timed out)."""
 
+NUM_CLASSES = 0  # a causal language model (next-character targets)
+
 
 def cache_dir() -> str:
   return os.environ.get("FAVOR_JAX_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "favor_jax"))
@@ -284,5 +286,6 @@ def make_task(data, batch_size: int, seed: int) -> Task:
   count = data.num_eval_batches * batch_size
   starts = np.linspace(0, len(valid) - window, count).astype(np.int64)
   eval_batches = [windows(valid, starts[i:i + batch_size]) for i in range(0, count, batch_size)]
-  return Task(name="shakespeare", vocab_size=256, num_classes=0, metric="eval_bpc", max_len=data.seq_len,
+  return Task(name="shakespeare", vocab_size=256, num_classes=NUM_CLASSES, metric="eval_bpc",
+              max_len=data.seq_len,
               train_batch=train_batch, eval_batches=eval_batches)

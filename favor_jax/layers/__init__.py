@@ -205,10 +205,24 @@ def check_running_statistic(kernel, *, train: bool, decode: bool, mutable: bool 
                      "deterministic=True to use it as it is)")
 
 
-def check_rho_momentum(rho_momentum) -> None:
+RHO_MOMENTUM = 0.99  # the running statistic's weight on its past, where rho_momentum is not given
+
+
+def rho_momentum(rho_momentum, kernel, causal: bool) -> float | None:
+  """The momentum of the layer's running statistic: ``RHO_MOMENTUM`` if not given. Only causal layers of a
+  data-dependent kernel (FAVOR++, FAVOR#) keep one; a value given to any other layer is refused, not
+  ignored (None there)."""
+  keeps = causal and is_data_dependent(kernel)
+  if rho_momentum is None:
+    return RHO_MOMENTUM if keeps else None
+  if not keeps:
+    raise ValueError(f"rho_momentum={rho_momentum!r} weighs a running statistic, which only a causal layer of "
+                     f"a data-dependent kernel keeps (FAVOR++ 'optimal_positive', FAVOR# 'saderf'); this layer "
+                     f"(kernel={kernel!r}, causal={causal}) keeps none: drop rho_momentum")
   if isinstance(rho_momentum, bool) or not isinstance(rho_momentum, (int, float)) or not 0 <= rho_momentum <= 1:
     raise ValueError(f"rho_momentum must be a float in [0, 1] (the running statistic's weight on its past), "
                      f"got {rho_momentum!r}")
+  return rho_momentum
 
 
 def check_dropout(dropout_rate, deterministic) -> None:

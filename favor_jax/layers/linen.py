@@ -82,7 +82,8 @@ class FavorAttention(nn.MultiHeadDotProductAttention):
   - ``causal_method``: as in ``core.favor_attention`` ("auto": the fused Pallas
     kernels on a GPU where they apply, the XLA chunked pass elsewhere).
   - ``causal``, ``chunk_size`` (causal chunks) and ``rho_momentum`` (running
-    statistic of a causal data-dependent kernel, updated when
+    statistic of a causal data-dependent kernel, default ``layers.RHO_MOMENTUM``; refused on other layers;
+    updated when
     ``deterministic=False`` and the ``favor`` collection is mutable, and only
     *after* the step that used the old value, so no output depends on later tokens).
   - ``qk_transform``: ``(query, key) -> (query, key)`` applied to the [..., L, H, D] projections (after
@@ -99,7 +100,7 @@ class FavorAttention(nn.MultiHeadDotProductAttention):
   causal: bool = False
   chunk_size: int = 64
   causal_method: str = "auto"
-  rho_momentum: float = 0.99
+  rho_momentum: float | None = None
   qk_transform: Callable[[Array, Array], tuple[Array, Array]] | None = None
   mesh: Mesh | None = None
   sequence_axis: str | None = None
@@ -117,7 +118,7 @@ class FavorAttention(nn.MultiHeadDotProductAttention):
     layers.check_sequence_parallel(self.mesh, self.sequence_axis, causal_method=self.causal_method,
                                    decode=self.decode, window=self.window, batch_axis=self.batch_axis)
     layers.check_qk_transform(self.qk_transform, decode=self.decode)
-    layers.check_rho_momentum(self.rho_momentum)
+    layers.rho_momentum(self.rho_momentum, self.kernel, self.causal)
 
   @nn.compact
   def __call__(self, inputs_q, inputs_k=None, inputs_v=None, *, mask=None, deterministic=None,
@@ -204,7 +205,8 @@ class FavorAttention(nn.MultiHeadDotProductAttention):
     layers.check_running_statistic(self.kernel, train=train, decode=self.decode,
                                    mutable=self.is_mutable_collection("favor"))
     if train:
-      stat.value = layers.updated_statistic(self.kernel, used, query, key, key_mask, self.rho_momentum)
+      momentum = layers.rho_momentum(self.rho_momentum, self.kernel, self.causal)
+      stat.value = layers.updated_statistic(self.kernel, used, query, key, key_mask, momentum)
     return used
 
   def _decode(self, query, key, value, projection, attend):

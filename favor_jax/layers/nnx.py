@@ -73,7 +73,7 @@ class FavorAttention(nnx.MultiHeadAttention):
                out_features: int | None = None, *, num_features: int | None = None, kernel: str = "positive",
                projection: str | None = None, per_head_projection: bool | None = None, window: int = 0,
                qk_head_dim: int | None = None, causal: bool = False, chunk_size: int = 64,
-               causal_method: str = "auto", rho_momentum: float = 0.99, mesh: Mesh | None = None,
+               causal_method: str = "auto", rho_momentum: float | None = None, mesh: Mesh | None = None,
                sequence_axis: str | None = None, batch_axis: str | None = None, qk_transform=None,
                rngs: nnx.Rngs, **flax_kwargs):
     if "attention_fn" in flax_kwargs:
@@ -88,7 +88,7 @@ class FavorAttention(nnx.MultiHeadAttention):
     layers.check_sequence_parallel(mesh, sequence_axis, causal_method=causal_method,
                                    decode=flax_kwargs.get("decode", False), window=window, batch_axis=batch_axis)
     layers.check_qk_transform(qk_transform, decode=flax_kwargs.get("decode", False))
-    layers.check_rho_momentum(rho_momentum)
+    momentum = layers.rho_momentum(rho_momentum, kernel, causal)  # None: the layer keeps no running statistic
     super().__init__(num_heads, in_features, qkv_features, out_features, rngs=rngs, **flax_kwargs)
     self.kernel = kernel
     self.projection_kind = layers.projection_kind(projection)
@@ -96,7 +96,7 @@ class FavorAttention(nnx.MultiHeadAttention):
     self.causal = causal
     self.chunk_size = chunk_size
     self.causal_method = causal_method
-    self.rho_momentum = rho_momentum
+    self.rho_momentum = momentum
     self.mesh, self.sequence_axis, self.batch_axis = mesh, sequence_axis, batch_axis
     self.qk_transform = qk_transform
     self.qk_head_dim = qk_head_dim or self.head_dim

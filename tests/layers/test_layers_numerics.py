@@ -288,6 +288,19 @@ def test_rho_momentum_outside_zero_one_is_refused_by_name(api, momentum):
 
 
 @pytest.mark.parametrize("api", ["linen", "nnx"])
+@pytest.mark.parametrize("kernel,causal", [("positive", True), ("optimal_positive", False), ("saderf", False)])
+def test_rho_momentum_on_a_layer_without_a_running_statistic_is_refused(api, kernel, causal):
+  """Only causal FAVOR++/FAVOR# layers keep a running statistic; elsewhere the momentum was ignored."""
+  with pytest.raises(ValueError, match=rf"rho_momentum=0.5 .*kernel='{kernel}', causal={causal}\) keeps none"):
+    if api == "linen":
+      flin.FavorAttention(num_heads=H, num_features=M, kernel=kernel, causal=causal,
+                          rho_momentum=0.5).init(jax.random.PRNGKey(0), _x(length=4))
+    else:
+      fnnx.FavorAttention(H, F, num_features=M, kernel=kernel, causal=causal, rho_momentum=0.5, decode=False,
+                          rngs=nnx.Rngs(0))
+
+
+@pytest.mark.parametrize("api", ["linen", "nnx"])
 def test_dropout_without_deterministic_anywhere_is_refused_as_flax_refuses_it(api):
   x = _x(length=5)
   if api == "linen":

@@ -149,6 +149,10 @@ def test_causal_favor_plus_plus_keeps_running_rho_and_never_looks_ahead():
   np.testing.assert_array_equal(variables["favor"]["rho"], 0.0)
   out, mut = layer.apply(variables, x, deterministic=False, mutable=["favor"])
   assert np.all(mut["favor"]["rho"] > 0)
+  momentum_0 = flin.FavorAttention(num_heads=H, num_features=16, kernel="optimal_positive", causal=True,
+                                   rho_momentum=0.0)  # ρ = this batch's statistic
+  _, batch = momentum_0.apply(variables, x, deterministic=False, mutable=["favor"])
+  np.testing.assert_allclose(mut["favor"]["rho"], 0.01 * batch["favor"]["rho"], rtol=1e-6)  # default 0.99
   later = x.at[:, 6:].set(100.0)
   out2, _ = layer.apply(variables, later, deterministic=False, mutable=["favor"])
   np.testing.assert_allclose(out2[:, :6], out[:, :6], rtol=1e-6, atol=1e-6)
