@@ -95,9 +95,8 @@ def capture(source, params, batches):
 
 
 def fitted_rows(kernel: str, features: int) -> int:
-  """R, the rows of a fitted map giving at most ``features`` features: Hedgehog 2R ≤ F, Taylor 1 + R + R(R+1)/2 ≤ F."""
-  if kernel == "hedgehog":
-    return features // 2
+  """R, the rows of a fitted map giving at most ``features`` features (the kernel record's count: Hedgehog
+  2R ≤ F, Taylor 1 + R + R(R+1)/2 ≤ F); at least 1."""
   rows = 1
   while core.kernels.num_features(kernel, rows + 1, rows + 1) <= features:
     rows += 1

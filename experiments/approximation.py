@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from experiments import plotting
+from experiments import plotting, tasks
 from favor_jax import core
 from favor_jax.core import draw_projection
 
@@ -65,7 +65,35 @@ def uniform_baseline(q, k, v):
           float(jnp.mean((1.0 / k.shape[-3] - exact_matrix(q, k)) ** 2)))
 
 
+def check_study(config) -> None:
+  """The sweeps' values, each named when bad (before anything is measured). A learned kernel (Hedgehog) is
+  refused: a random draw of its map measures a model nobody trained (the activations study fits it)."""
+  if not config.kernels:
+    raise ValueError("config.kernels must name at least one kernel")
+  for kernel in config.kernels:
+    if not isinstance(kernel, str) or kernel not in core.KERNELS:
+      raise ValueError(f"config.kernels must hold names in {sorted(core.KERNELS)}, got {kernel!r}")
+    if core.KERNELS[kernel].learned:
+      raise ValueError(f"config.kernels: {kernel!r} has a learned map, which a random draw does not estimate; "
+                       "the activations study (experiments/configs/activations.py) measures it fitted")
+  if not config.projections or any(p not in core.PROJECTIONS for p in config.projections):
+    raise ValueError(f"config.projections must hold one or more of {tuple(core.PROJECTIONS)}, got "
+                     f"{tuple(config.projections)!r}")
+  if not config.num_features:
+    raise ValueError("config.num_features must list at least one feature count")
+  for m in config.num_features:
+    tasks.positive_int("config.num_features", m)
+  if not isinstance(config.num_draws, int) or config.num_draws < 2:
+    raise ValueError(f"config.num_draws must be an int >= 2 (the 95% interval needs two draws), "
+                     f"got {config.num_draws!r}")
+  for setting in config.settings:
+    name, seq_len, dim, scale = setting
+    tasks.positive_int(f"config.settings[{name!r}] sequence length", seq_len)
+    tasks.positive_int(f"config.settings[{name!r}] head dim", dim)
+
+
 def run(config, progress=print, workdir=None):
+  check_study(config)
   records = []
   for name, seq_len, dim, scale in config.settings:
     q, k, v = make_inputs(seq_len, dim, scale, config.seed)

@@ -16,7 +16,11 @@ by their largest feature: factors that cancel in normalised attention.
 Every kernel also exposes ``kernel.log_features``, which keeps the exponential
 part in log domain so that :func:`favor_attention` can choose a stabiliser that
 never looks at future keys (see ``causal.py``). A new kernel is its
-``_log_features`` function and its record below, added to ``KERNELS``.
+``_log_features`` function and its record below, added to ``KERNELS`` (and
+``__all__``): every attention function, causal method, layer and experiment reads
+its facts from the record, and passes its statistic under the record's
+``statistic`` keyword. The fused Pallas path takes kernels whose features are pure
+exponentials (a log per feature, no multiplier), read off the features themselves.
 """
 
 from __future__ import annotations

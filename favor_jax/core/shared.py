@@ -218,7 +218,9 @@ def resolve_kernel(kernel, projection, rho, query):
     raise ValueError(f"kernel {name!r} needs a projection [M, {query.shape[-1]}], got None")
   data_dependent = record and kern.data_dependent
   if rho is not None and not data_dependent:
-    raise ValueError(f"rho is the FAVOR++ statistic (or FAVOR#'s); kernel {name!r} takes none")
+    takers = sorted(n for n, k in kernels_lib.KERNELS.items() if k.data_dependent)
+    raise ValueError(f"rho passes the statistic of a data-dependent kernel (one of {takers}); kernel {name!r} "
+                     "takes none")
   return kern, data_dependent
 
 
@@ -247,8 +249,8 @@ def feature_fn_for(kern, projection, rho_NH, causal):
   if isinstance(kern, kernels_lib.Kernel):
     def feature_fn(q, k):
       trailing = () if rho_NH is None else rho_NH.shape[2:]  # the statistic's shape beyond [N, H]
-      rho = {} if rho_NH is None else {"rho": rho_NH.reshape(q.shape[:-3] + q.shape[-2:-1] + trailing)}
-      return kern.log_features(q, k, projection, **rho)
+      given = {} if rho_NH is None else {kern.statistic: rho_NH.reshape(q.shape[:-3] + q.shape[-2:-1] + trailing)}
+      return kern.log_features(q, k, projection, **given)
 
     # A per-head projection [H, M, D] pairs ω with the heads axis, so the rows keep their layout.
     feature_fn.layout_free = projection is None or projection.ndim == 2

@@ -38,9 +38,9 @@ def _explicit(qf, kf, v, causal=False, key_mask=None):
 
 
 def _extra(name, causal):
-  # Data-dependent kernels (FAVOR++, FAVOR#) in causal mode must be given their statistic.
-  shapes = {"optimal_positive": (H,), "saderf": (H, D + 1)}
-  return {"rho": jnp.full(shapes[name], 0.3)} if (name in shapes and causal) else {}
+  # Data-dependent kernels (FAVOR++, FAVOR#) in causal mode must be given their statistic (shape: the record's).
+  kern = kernels.KERNELS[name]
+  return {"rho": jnp.full(kern.statistic_shape((1, L, H, D))[1:], 0.3)} if (kern.data_dependent and causal) else {}
 
 
 # --- exactness given features -------------------------------------------------------------
@@ -389,7 +389,8 @@ def test_bad_inputs_raise_clear_errors():
     fa(q, k, v.astype(jnp.int32), p)
   with pytest.raises(ValueError, match="unknown causal_method"):
     fa(q, k, v, p, causal=True, causal_method="fft")
-  with pytest.raises(ValueError, match="rho is the FAVOR\\+\\+ statistic"):
+  with pytest.raises(ValueError, match=r"rho passes the statistic of a data-dependent kernel \(one of "
+                                       r"\['optimal_positive', 'saderf'\]\); kernel 'positive' takes none"):
     fa(q, k, v, p, rho=jnp.ones(()))
   with pytest.raises(ValueError, match="future keys"):
     fa(q, k, v, p, kernel="optimal_positive", causal=True)

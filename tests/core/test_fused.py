@@ -30,7 +30,7 @@ def _inputs(scale=1.0, length=L, seed=0):
 def _params(name, q, k, mask):
   kern = kernels.KERNELS[name]
   proj = core.orthogonal_projection(jax.random.PRNGKey(5), M, D)
-  if name == "hedgehog":  # learned map: its own parameter shape
+  if kern.learned:  # a trained map (Hedgehog): any [M, D] matrix, not an orthogonal draw
     proj = 0.3 * jax.random.normal(jax.random.PRNGKey(6), (M, D))
   rho = kern.compute_statistic(q, k, mask) if kern.data_dependent else None
   return proj, rho

@@ -1,3 +1,4 @@
+import dataclasses
 import functools
 import math
 
@@ -147,3 +148,24 @@ def test_get_kernel_and_bad_inputs():
     kernels.positive(q, k, jnp.ones((8, 5)))
   with pytest.raises(TypeError, match="query must be a floating-point"):
     kernels.positive(q.astype(jnp.int32), k, jnp.ones((8, D)))
+
+
+def test_a_kernel_record_names_the_keyword_of_its_statistic():
+  """A new data-dependent kernel is its record: the statistic reaches its features under the record's
+  ``statistic`` name (here "alpha"), whatever the attention functions call the argument (``rho``)."""
+  renamed = dataclasses.replace(
+      kernels.optimal_positive, name="optimal_positive_alpha", statistic="alpha",
+      log_features=lambda q, k, w, alpha=None, **kw: kernels.optimal_positive.log_features(q, k, w, rho=alpha, **kw))
+  ks = jax.random.split(jax.random.PRNGKey(3), 3)
+  q, k, v = (0.8 * jax.random.normal(kk, (2, 9, 2, D)) for kk in ks)
+  w = core.orthogonal_projection(jax.random.PRNGKey(4), 8, D)
+  rho = jnp.array([0.3, 1.1])
+  for causal in (False, True):
+    for method in ("chunked", "scan"):
+      run = lambda kernel: core.favor_attention(q, k, v, w, kernel=kernel, rho=rho, causal=causal,
+                                                causal_method=method, chunk_size=4)
+      np.testing.assert_array_equal(run(renamed), run("optimal_positive"))
+    window = lambda kernel: core.hybrid_attention(q, k, v, w, kernel=kernel, rho=rho, causal=causal, window=2)
+    np.testing.assert_array_equal(window(renamed), window("optimal_positive"))
+    weights = lambda kernel: core.attention_weights(q, k, w, kernel=kernel, rho=rho, causal=causal)
+    np.testing.assert_array_equal(weights(renamed), weights("optimal_positive"))

@@ -346,6 +346,22 @@ def test_backward_compat_finetune_fields_are_named(fields, message, tmp_path, no
     main.run(config, str(tmp_path / "out"), overrides)
 
 
+@pytest.mark.parametrize("fields,message", [
+    ({"kernels": ("hedgehog",)}, "config.kernels: 'hedgehog' has a learned map, which a random draw does not"),
+    ({"kernels": ("positive", "bogus")}, r"config.kernels must hold names in \[.*\], got 'bogus'"),
+    ({"projections": ("gaussian",)}, r"config.projections must hold one or more of \('iid', 'orthogonal'"),
+    ({"num_draws": 1}, "config.num_draws must be an int >= 2"),
+    ({"num_features": (32, 0)}, "config.num_features must be a positive int, got 0"),
+])
+def test_approximation_sweeps_are_checked_before_anything_is_measured(fields, message, monkeypatch):
+  from experiments import approximation
+  monkeypatch.setattr(approximation, "measure", lambda *a, **k: pytest.fail("measured despite bad input"))
+  config = common.set_fields(importlib.import_module("experiments.configs.approximation").get_config("quick"),
+                             fields)
+  with pytest.raises(ValueError, match=message):
+    approximation.run(config, progress=lambda m: None)
+
+
 @pytest.mark.parametrize("study", ["speed", "blocks", "sequence_parallel"])
 @pytest.mark.parametrize("fields,message", [
     ({"passes": ("fw",)}, r"config.passes must be a tuple of one or more of \('fwd', 'fwd_bwd'\), got \('fw',\)"),
