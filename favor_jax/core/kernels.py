@@ -279,9 +279,17 @@ def _elu_plus_one(query: Float[Array, "... Lq H D"], key: Float[Array, "... Lk H
   """Deterministic linear-attention baseline (Katharopoulos et al. 2020), F = D:
 
       φ(x) = elu(x) + 1  on the raw inputs. The projection is not used (may be None).
+
+  In log domain, log φ = log1p(x) for x > 0 and x below: elu(x) + 1 = eˣ there, which float32 would
+  round to exactly 0 from x ≈ −17 (a query row then attends to nothing); the stabiliser keeps any x exact.
   """
   checks.check_qk(query, key)
-  return tuple(LogFeatures(None, jax.nn.elu(z.astype(jnp.float32)) + 1.0) for z in (query, key))
+
+  def log_phi(z):
+    z = z.astype(jnp.float32)
+    return jnp.where(z > 0, jnp.log1p(jnp.maximum(z, 0.0)), z)
+
+  return tuple(LogFeatures(log_phi(z), None) for z in (query, key))
 
 
 def _taylor(query: Float[Array, "... Lq H D"], key: Float[Array, "... Lk H D"],

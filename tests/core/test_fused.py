@@ -16,7 +16,7 @@ from favor_jax.core import causal as causal_lib
 from tests.core.test_numerics import explicit
 
 B, L, H, D, DV, M = 2, 37, 2, 8, 12, 16  # odd length (three chunks of 16, padded), Dv ≠ D
-FUSED = ("positive", "hyperbolic", "optimal_positive", "saderf", "hedgehog")
+FUSED = ("positive", "hyperbolic", "optimal_positive", "saderf", "hedgehog", "elu_plus_one")
 
 
 def _inputs(scale=1.0, length=L, seed=0):
