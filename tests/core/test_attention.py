@@ -312,6 +312,37 @@ def test_vmap_over_projections_and_batch_dims():
   np.testing.assert_allclose(outs[0].reshape(6, L, H, D), flat, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("name", ALL_KERNELS)
+@pytest.mark.parametrize("causal", [False, True])
+def test_every_kernel_gradients_equal_those_of_the_explicit_form(name, causal):
+  """The blocked bidirectional pass and the chunked causal pass recompute features in their backward
+  passes (custom VJPs); their gradients equal jax.grad of the quadratic form on the kernel's raw features,
+  a given statistic held constant, the projection's gradient too."""
+  q, k, v = _qkv(length=13)
+  mask = jnp.ones((B, 13), bool).at[1, 5].set(False)
+  proj = _proj()
+  rho = _extra(name, True)  # a given statistic (constant), both directions
+  weight = jnp.cos(jnp.arange(B * 13 * H * D).reshape(B, 13, H, D))
+
+  def loss(q, k, v, p):
+    out = core.favor_attention(q, k, v, p, kernel=name, causal=causal, key_mask=mask, chunk_size=4, **rho)
+    return jnp.sum(out * weight)
+
+  def ref_loss(q, k, v, p):
+    qf, kf = kernels.KERNELS[name](q, k, p, stabilize=False, **rho)
+    a = jnp.einsum("blhf,bshf->bhls", qf, kf) * mask[:, None, None, :]
+    if causal:
+      a = a * jnp.tril(jnp.ones((13, 13)))
+    den = jnp.moveaxis(a.sum(-1), 1, 2)[..., None]  # ReLU: a row whose features meet no key's is 0 (0/0)
+    out = jnp.einsum("bhls,bshd->blhd", a, v) / jnp.where(den == 0, 1.0, den)
+    return jnp.sum(out * weight)
+
+  got = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(q, k, v, proj)
+  want = jax.jit(jax.grad(ref_loss, argnums=(0, 1, 2, 3)))(q, k, v, proj)
+  for g, w, what in zip(got, want, "qkvw"):
+    np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5 * np.max(np.abs(w)) + 1e-7, err_msg=what)
+
+
 def test_grad_matches_finite_differences():
   q, k, v = _qkv(length=6, batch=(1,))
   proj = _proj()
