@@ -161,13 +161,14 @@ def test_a_kernel_record_names_the_keyword_of_its_statistic():
   w = core.orthogonal_projection(jax.random.PRNGKey(4), 8, D)
   rho = jnp.array([0.3, 1.1])
   for causal in (False, True):
-    for method in ("chunked", "scan"):
-      run = lambda kernel: core.favor_attention(q, k, v, w, kernel=kernel, rho=rho, causal=causal,
-                                                causal_method=method, chunk_size=4)
+    calls = [functools.partial(core.favor_attention, causal=causal, causal_method=method, chunk_size=4)
+             for method in ("chunked", "scan")]
+    calls.append(functools.partial(core.hybrid_attention, causal=causal, window=2))
+    for call in calls:
+      run = lambda kernel: jax.jit(lambda *a: call(*a, kernel=kernel, rho=rho))(q, k, v, w)  # noqa: B023
       np.testing.assert_array_equal(run(renamed), run("optimal_positive"))
-    window = lambda kernel: core.hybrid_attention(q, k, v, w, kernel=kernel, rho=rho, causal=causal, window=2)
-    np.testing.assert_array_equal(window(renamed), window("optimal_positive"))
-    weights = lambda kernel: core.attention_weights(q, k, w, kernel=kernel, rho=rho, causal=causal)
+    weights = lambda kernel: jax.jit(lambda *a: core.attention_weights(*a, kernel=kernel, rho=rho, causal=causal))(
+        q, k, w)  # noqa: B023
     np.testing.assert_array_equal(weights(renamed), weights("optimal_positive"))
 
 
