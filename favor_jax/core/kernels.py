@@ -452,6 +452,11 @@ KERNELS = {k.name: k for k in (positive, hyperbolic, trigonometric, optimal_posi
                                taylor, hedgehog, saderf)}
 
 
+def data_dependent_names() -> list[str]:
+  """The names in ``KERNELS`` whose records take a statistic of the data (for messages)."""
+  return sorted(name for name, kernel in KERNELS.items() if kernel.data_dependent)
+
+
 def get_kernel(kernel):
   """A kernel by name (one of ``KERNELS``) or a callable returned unchanged."""
   if callable(kernel):

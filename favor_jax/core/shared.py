@@ -218,9 +218,8 @@ def resolve_kernel(kernel, projection, rho, query):
     raise ValueError(f"kernel {name!r} needs a projection [M, {query.shape[-1]}], got None")
   data_dependent = record and kern.data_dependent
   if rho is not None and not data_dependent:
-    takers = sorted(n for n, k in kernels_lib.KERNELS.items() if k.data_dependent)
-    raise ValueError(f"rho passes the statistic of a data-dependent kernel (one of {takers}); kernel {name!r} "
-                     "takes none")
+    raise ValueError(f"rho passes the statistic of a data-dependent kernel (one of "
+                     f"{kernels_lib.data_dependent_names()}); kernel {name!r} takes none")
   return kern, data_dependent
 
 

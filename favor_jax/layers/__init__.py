@@ -121,6 +121,11 @@ def redraw_projection(key, kind, old):
   return _per_head_draws(draw, key, old.shape[:-2]).astype(old.dtype)
 
 
+def keeps_statistic(kernel, causal: bool) -> bool:
+  """Whether a layer keeps a running statistic: causal, with a data-dependent kernel (FAVOR++, FAVOR#)."""
+  return causal and is_data_dependent(kernel)
+
+
 def is_data_dependent(kernel) -> bool:
   """Whether ``kernel`` takes a statistic of the data (FAVOR++'s ρ): causal layers keep a running one."""
   kern = core.get_kernel(kernel)
@@ -212,14 +217,13 @@ def rho_momentum(rho_momentum, kernel, causal: bool) -> float | None:
   """The momentum of the layer's running statistic: ``RHO_MOMENTUM`` if not given. Only causal layers of a
   data-dependent kernel (FAVOR++, FAVOR#) keep one; a value given to any other layer is refused, not
   ignored (None there)."""
-  keeps = causal and is_data_dependent(kernel)
+  keeps = keeps_statistic(kernel, causal)
   if rho_momentum is None:
     return RHO_MOMENTUM if keeps else None
   if not keeps:
-    takers = sorted(n for n, k in core.KERNELS.items() if k.data_dependent)
     raise ValueError(f"rho_momentum={rho_momentum!r} weighs a running statistic, which only a causal layer of "
-                     f"a data-dependent kernel keeps (one of {takers}); this layer (kernel={kernel!r}, "
-                     f"causal={causal}) keeps none: drop rho_momentum")
+                     f"a data-dependent kernel keeps (one of {core.kernels.data_dependent_names()}); this layer "
+                     f"(kernel={kernel!r}, causal={causal}) keeps none: drop rho_momentum")
   if isinstance(rho_momentum, bool) or not isinstance(rho_momentum, (int, float)) or not 0 <= rho_momentum <= 1:
     raise ValueError(f"rho_momentum must be a float in [0, 1] (the running statistic's weight on its past), "
                      f"got {rho_momentum!r}")

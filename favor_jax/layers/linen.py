@@ -195,7 +195,7 @@ class FavorAttention(nn.MultiHeadDotProductAttention):
   def _running_statistic(self, query, key, key_mask, train):
     """Causal data-dependent kernels: the running statistic as it was before this step (then updated
     if training). Named after the kernel's ``statistic`` (FAVOR++: ``rho`` [H])."""
-    if not (self.causal and layers.is_data_dependent(self.kernel)):
+    if not layers.keeps_statistic(self.kernel, self.causal):
       return None
     kern = core.get_kernel(self.kernel)
     stat = self.variable("favor", kern.statistic, layers.initial_statistic, self.kernel, *query.shape[-2:])

@@ -108,7 +108,7 @@ class FavorAttention(nnx.MultiHeadAttention):
     self.projection = FavorProjection(initial) if initial is not None and not learned else nnx.data(None)
     self.projection_shape = None if initial is None else tuple(initial.shape)
     self.feature_map = nnx.Param(initial.astype(self.param_dtype)) if learned else nnx.data(None)
-    data_dependent = causal and layers.is_data_dependent(kernel)
+    data_dependent = layers.keeps_statistic(kernel, causal)
     self.statistic = (FavorStats(layers.initial_statistic(kernel, num_heads, self.qk_head_dim))
                       if data_dependent else nnx.data(None))
     self.decode_state = nnx.data(None)

@@ -37,6 +37,17 @@ def _explicit(qf, kf, v, causal=False, key_mask=None):
   return num / den
 
 
+def _explicit_jax(qf, kf, v, causal=False, key_mask=None):
+  """``_explicit`` in JAX (differentiable, float32): a row whose features meet no key's (ReLU) is 0."""
+  a = jnp.einsum("blhf,bshf->bhls", qf, kf)
+  if causal:
+    a = a * jnp.tril(jnp.ones(a.shape[-2:]))
+  if key_mask is not None:
+    a = a * key_mask[:, None, None, :]
+  den = jnp.moveaxis(a.sum(-1), 1, 2)[..., None]
+  return jnp.einsum("bhls,bshd->blhd", a, v) / jnp.where(den == 0, 1.0, den)
+
+
 def _extra(name, causal):
   # Data-dependent kernels (FAVOR++, FAVOR#) in causal mode must be given their statistic (shape: the record's).
   kern = kernels.KERNELS[name]
@@ -117,9 +128,7 @@ def test_causal_gradients_match_across_methods(method):
     return jnp.sum(out * jnp.cos(jnp.arange(out.size).reshape(out.shape)))
 
   def ref_loss(q, k, v):
-    qf, kf = kernels.positive(q, k, proj, stabilize=False)
-    a = jnp.einsum("blhf,bshf->bhls", qf, kf) * jnp.tril(jnp.ones((21, 21)))
-    out = jnp.einsum("bhls,bshd->blhd", a, v) / jnp.moveaxis(a.sum(-1), 1, 2)[..., None]
+    out = _explicit_jax(*kernels.positive(q, k, proj, stabilize=False), v, causal=True)
     return jnp.sum(out * jnp.cos(jnp.arange(out.size).reshape(out.shape)))
 
   got = jax.grad(functools.partial(loss, method), argnums=(0, 1, 2))(q, k, v)
@@ -329,12 +338,7 @@ def test_every_kernel_gradients_equal_those_of_the_explicit_form(name, causal):
     return jnp.sum(out * weight)
 
   def ref_loss(q, k, v, p):
-    qf, kf = kernels.KERNELS[name](q, k, p, stabilize=False, **rho)
-    a = jnp.einsum("blhf,bshf->bhls", qf, kf) * mask[:, None, None, :]
-    if causal:
-      a = a * jnp.tril(jnp.ones((13, 13)))
-    den = jnp.moveaxis(a.sum(-1), 1, 2)[..., None]  # ReLU: a row whose features meet no key's is 0 (0/0)
-    out = jnp.einsum("bhls,bshd->blhd", a, v) / jnp.where(den == 0, 1.0, den)
+    out = _explicit_jax(*kernels.KERNELS[name](q, k, p, stabilize=False, **rho), v, causal, mask)
     return jnp.sum(out * weight)
 
   got = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(q, k, v, proj)

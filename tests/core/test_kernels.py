@@ -9,6 +9,7 @@ import pytest
 
 from favor_jax import core
 from favor_jax.core import kernels
+from tests.core.test_attention import _explicit
 
 D = 4
 PROJ = {
@@ -175,9 +176,10 @@ def test_a_kernel_record_names_the_keyword_of_its_statistic():
 def test_elu_plus_one_keeps_its_small_features_and_their_rows():
   """elu(x) + 1 = eˣ below 0: computed as elu then + 1 in float32 it was exactly 0 from x ≈ −17, and a
   query that negative got a zero row where the explicit form (float64) does not."""
+  phi = lambda x: np.where(x > 0, x + 1.0, np.exp(x))  # the formula, in float64
   z = np.linspace(-120.0, 30.0, 301)
   q = jnp.asarray(z, jnp.float32).reshape(1, -1, 1, 1)
-  want = np.where(z > 0, z + 1.0, np.exp(z))
+  want = phi(z)
   log_q = kernels.elu_plus_one.log_features(q, q, None)[0].log  # the features the attention passes use
   np.testing.assert_allclose(np.asarray(log_q, np.float64).ravel(), np.log(want), rtol=1e-6, atol=1e-7)
   fq, _ = kernels.elu_plus_one(q, q, stabilize=False)  # materialised: float32's range ends near e^-87
@@ -191,12 +193,8 @@ def test_elu_plus_one_keeps_its_small_features_and_their_rows():
   qs = rng.standard_normal((1, 6, 2, D))
   qs[0, 0] = -18.0 + 0.1 * np.arange(D)  # φ = e^{-18..-17.7}: was rounded to 0
   qs[0, 1] = -100.0 - np.arange(D)  # φ = e^{-100}: below float32's range unless kept in log domain
-  phi = lambda x: np.where(x > 0, x + 1.0, np.exp(x))
   for causal in (False, True):
-    a = np.einsum("blhd,bshd->bhls", phi(qs), phi(k))
-    if causal:
-      a = a * np.tril(np.ones((6, 6)))
-    want = np.einsum("bhls,bshd->blhd", a / a.sum(-1, keepdims=True), v)
+    want = _explicit(phi(qs), phi(k), v, causal)
     for method in ("chunked", "scan"):
       got = core.favor_attention(*(jnp.asarray(x, jnp.float32) for x in (qs, k, v)), None, kernel="elu_plus_one",
                                  causal=causal, causal_method=method, chunk_size=4)
