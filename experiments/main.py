@@ -8,7 +8,10 @@
 as run, ``quick`` included), DIR/results.json (a list of flat records),
 DIR/summary.md and the study's *.png plots; training studies also write one
 subdirectory per run (metrics.jsonl, checkpoints/, loss.png) and resume from
-it when rerun. A --config.FIELD value applies to every variant of a sweep; one
+it when rerun. A command that ``train.stop_after`` ends before ``train.steps``
+checkpoints its runs and writes no results.json or summary.md (they would be
+an unfinished model's numbers); it names where each run stopped and exits 0,
+and rerunning it resumes them. A --config.FIELD value applies to every variant of a sweep; one
 that a variant to run sets to another value stops the command, naming both.
 
 Several processes (``mesh.distributed=True``: a TPU slice, a SLURM job, or
@@ -164,7 +167,11 @@ def main(argv):
   logging.set_verbosity(logging.WARNING)  # orbax logs every checkpoint step at INFO
   overrides = {name.removeprefix("config."): flags.FLAGS[name].value for name in flags.FLAGS
                if name.startswith("config.") and flags.FLAGS[name].present}
-  run(_CONFIG.value, _WORKDIR.value, overrides)
+  from experiments import training
+  try:
+    run(_CONFIG.value, _WORKDIR.value, overrides)
+  except training.Stopped as e:  # a stop asked for: no results (they would be of unfinished models), exit 0
+    print(e, flush=True)
 
 
 if __name__ == "__main__":

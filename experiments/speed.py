@@ -50,6 +50,15 @@ ESTIMATORS = {
     "hybrid_w64": Estimator("positive", window=64),  # exact window of 64 + FAVOR+ beyond it
     "favor_pallas": Estimator("positive", causal_method="pallas"),  # the fused Pallas kernels (causal only)
 }
+
+
+def estimator(name: str) -> Estimator:
+  """A linear-time entry of ``config.methods``: a variant named in ESTIMATORS, or any kernel of
+  ``core.KERNELS`` by its name with favor_attention's defaults (a kernel added to kernels.py is timed by
+  naming it; a learned kernel runs with its map's initial value, which costs what a trained one does)."""
+  return ESTIMATORS[name] if name in ESTIMATORS else Estimator(name)
+
+
 CAUSAL_ONLY = ("favor_scan", "favor_cumsum", "favor_pallas")
 CHUNKED = ("chunked", "pallas")  # causal methods that compute the masked product inside chunks
 CHECK_ROWS = 256  # query rows compared with the float32 exact reference
@@ -75,7 +84,7 @@ def method(name, on_gpu):
       impl = "cudnn" if on_gpu and q.dtype in (jnp.bfloat16, jnp.float16) else None
       return jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation=impl)
     return exact
-  return functools.partial(_linear, ESTIMATORS[name])
+  return functools.partial(_linear, estimator(name))
 
 
 def _linear(e: Estimator, q, k, v, p, causal):
@@ -98,7 +107,7 @@ def flops(name, causal, b, length, h, d, m, on_gpu=False):
   if name in EXACT:
     full = 4 * b * h * length * length * d
     return full // 2 if causal and on_gpu and name == "jax_dot_product_attention" else full
-  e = ESTIMATORS[name]
+  e = estimator(name)
   dq = e.qk_dim or d
   kern = core.get_kernel(e.kernel)
   f = kern.num_features(m if kern.needs_projection else None, dq)
@@ -215,9 +224,10 @@ def run(config, progress=print, workdir=None):
     raise ValueError(f"config.memory_limit_gb must be >= 0 (0: auto), got {config.memory_limit_gb!r}")
   if config.memory not in ("process", "compiled"):
     raise ValueError(f"config.memory must be 'process' or 'compiled', got {config.memory!r}")
-  unknown = [m for m in config.methods if m not in EXACT and m not in ESTIMATORS]
+  unknown = [m for m in config.methods if m not in EXACT and m not in ESTIMATORS and m not in core.KERNELS]
   if unknown:
-    raise ValueError(f"config.methods has unknown {unknown}; choose from {list(EXACT) + list(ESTIMATORS)}")
+    raise ValueError(f"config.methods has unknown {unknown}; choose from {list(EXACT) + list(ESTIMATORS)} or a "
+                     f"kernel of core.KERNELS {sorted(core.KERNELS)}")
   on_gpu = jax.default_backend() == "gpu"
   ceiling = matmul_ceiling(jnp.dtype(config.dtype), on_gpu)
   limit = memory_limit_bytes(config.memory_limit_gb)
@@ -281,7 +291,7 @@ def summarize(records, config) -> str:
       fav = t.get(("favor", True, r["seq_len"], r["pass"]))
       if fav and fav["status"] == "ok":
         lines.append(f"- L={key[2]} {key[3]}: scan / chunked causal = {r['median_s'] / fav['median_s']:.1f}×")
-    if r["method"] in ESTIMATORS and ESTIMATORS[r["method"]].causal_method == "chunked" and r["method"] != "favor":
+    if r["method"] not in EXACT + ("favor",) and estimator(r["method"]).causal_method == "chunked":
       fav = t.get(("favor",) + key[1:])
       if fav and fav["status"] == "ok":
         lines.append(f"- L={key[2]} {'causal' if key[1] else 'bidirectional'} {key[3]}: {r['method']} / FAVOR+ = "

@@ -82,13 +82,19 @@ def final_record(name: str, config, records: list[dict]) -> dict:
 
 def run(config, progress, workdir) -> list[dict]:
   runs = variant_configs(config)
-  results = []
+  results, stopped = [], []
   for i, (name, c) in enumerate(runs):
     progress(f"run {i + 1}/{len(runs)}: {name}")
-    records, _ = training.train(c, os.path.join(workdir, name), progress=lambda m, n=name: progress(f"{n} {m}"))
+    try:
+      records, _ = training.train(c, os.path.join(workdir, name), progress=lambda m, n=name: progress(f"{n} {m}"))
+    except training.Stopped as e:  # the other runs still train up to their stop (a preemptible job's share)
+      stopped += e.runs
+      continue
     results.append(final_record(name, c, records))
     if jax.process_index() == 0:  # multi-host: process 0 writes the plots
       plotting.training_curves({name: records}, os.path.join(workdir, name, "loss.png"))
+  if stopped:
+    raise training.Stopped(stopped)
   return results
 
 

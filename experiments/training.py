@@ -419,6 +419,17 @@ def check_resumed_config(workdir: str, config, step: int) -> None:
                      f"{', '.join(MAY_CHANGE_ON_RESUME)} may change on resume: {restart}")
 
 
+class Stopped(Exception):
+  """``train.stop_after`` ended runs before ``train.steps`` (each with a checkpoint): their metrics are of an
+  unfinished model, so no study reports them. ``runs``: (run directory, step reached, train.steps)."""
+
+  def __init__(self, runs: list[tuple[str, int, int]]):
+    self.runs = runs
+    done = ", ".join(f"{d} at step {step} of {steps}" for d, step, steps in runs)
+    super().__init__(f"stopped by train.stop_after: {done}. Rerun the same command (train.stop_after=0 or a "
+                     "later step) to resume; results are written once every run has finished")
+
+
 class Setup(NamedTuple):
   """What a run of ``config`` works with, before any checkpoint is read."""
   mesh: Mesh
@@ -443,7 +454,8 @@ def build(config, init_params=None, progress=lambda message: None) -> Setup:
 
 
 def train(config, workdir: str, progress=print, init_params=None) -> tuple[list[dict], TrainState]:
-  """Trains (or resumes) one configuration in ``workdir``; returns the metric records and the final state.
+  """Trains (or resumes) one configuration in ``workdir``; returns the metric records and the final state,
+  or raises ``Stopped`` where ``train.stop_after`` ends it before ``train.steps``.
 
   On ``make_mesh(config.mesh)``: the batch is split over "data", the state is
   replicated (or FSDP-split over "data"), FAVOR layers split the sequence over
@@ -462,7 +474,9 @@ def train(config, workdir: str, progress=print, init_params=None) -> tuple[list[
   if step == 0 and jax.process_index() == 0:  # a fresh start (a record of a run that never checkpointed is replaced)
     with open(os.path.join(workdir, RUN_CONFIG), "w") as f:
       json.dump(run_fields(config), f, indent=1)
-  log = MetricsLog(os.path.join(workdir, "metrics.jsonl"), keep_through=step)
+  # Resumed: the records through the restored step. A fresh start keeps none (those of a run that never
+  # checkpointed, whatever its config, would sit beside this run's).
+  log = MetricsLog(os.path.join(workdir, "metrics.jsonl"), keep_through=step if step > 0 else -1)
   redraw_key = jax.random.PRNGKey(t.seed + 1)  # redraws: a key of their own
   train_step = make_train_step(model, optimizer, config.attention.redraw_every, redraw_key,
                                (shardings, NamedSharding(mesh, P("data"))))
@@ -495,4 +509,6 @@ def train(config, workdir: str, progress=print, init_params=None) -> tuple[list[
       _raise_if_nonfinite(state)
       checkpoints.save(step, args=ocp.args.StandardSave(state))
   checkpoints.wait_until_finished()
+  if step < t.steps:
+    raise Stopped([(workdir, step, t.steps)])
   return log.records, state

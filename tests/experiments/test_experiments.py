@@ -67,6 +67,7 @@ def test_speed_quick_run_records_every_method(tmp_path):
   config.memory = "compiled"  # one process; the per-process mode is tested below
   config.dtype = "bfloat16"
   config.seq_lens = (256,)  # one length: each configuration is a compilation
+  config.methods += ("elu_plus_one",)  # a kernel of the records by its name (no entry in speed.ESTIMATORS)
   config.memory_limit_gb = 0.0025  # 2.5 MB: exact attention's fwd+bwd at L=256 (2.6-2.8 MB) is "out of memory"
   records = main.run(config, str(tmp_path))
   assert {r["method"] for r in records} == set(config.methods)
@@ -118,6 +119,17 @@ def test_speed_records_an_allocation_failure_and_raises_other_errors(monkeypatch
   monkeypatch.setattr(speed, "median_seconds", wrong_memory_kind)
   with pytest.raises(ValueError, match="Could not find memory"):
     speed.measure(_job(seq_len=64))
+
+
+def test_speed_names_the_kernels_it_can_time_when_a_method_is_unknown():
+  from experiments import main, speed
+  from experiments.configs import speed as cfg
+
+  assert "elu_plus_one" not in speed.ESTIMATORS  # timed by its record's name in the quick run above
+  config = cfg.get_config("quick")
+  config.methods = ("favor", "elu_pluss_one")
+  with pytest.raises(ValueError, match=r"unknown \['elu_pluss_one'\].*kernel of core.KERNELS.*elu_plus_one"):
+    main.run(config, "/nonexistent/never/written")
 
 
 def test_speed_summary_states_a_crossover_only_for_baselines_the_run_timed():

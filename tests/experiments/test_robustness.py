@@ -208,6 +208,26 @@ def test_no_intact_checkpoint_stops_naming_the_directory(reference, tmp_path):
     assert f.read() == metrics
 
 
+def test_a_stopped_run_writes_no_results_and_a_fresh_start_keeps_no_old_records(reference, tmp_path):
+  """train.stop_after: the command names where each run stopped and writes no results.json or summary.md
+  (an unfinished model's numbers under train.steps). A run directory whose run never checkpointed (killed
+  before its first checkpoint, here: stopped, checkpoints removed) starts over with no record of the old
+  run: rerun under another seed, its metrics are exactly the uninterrupted run's."""
+  _, _, ref_records, _ = reference
+  workdir, run_dir = tmp_path / "study", tmp_path / "study" / "run"
+  stopped = common.set_fields(tiny_favor(), {"train.stop_after": 2, "train.seed": 5})
+  with pytest.raises(training.Stopped, match=rf"{re.escape(str(run_dir))} at step 2 of 6\. Rerun"):
+    main.run(stopped, str(workdir))
+  assert not (workdir / "results.json").exists() and not (workdir / "summary.md").exists()
+  assert [r["step"] for r in map(json.loads, open(run_dir / "metrics.jsonl"))] == [0, 2]
+  shutil.rmtree(run_dir / "checkpoints")
+  main.run(tiny_favor(), str(workdir))
+  with open(run_dir / "metrics.jsonl") as f:
+    assert without_timing(map(json.loads, f)) == without_timing(ref_records)
+  (result,) = json.load(open(workdir / "results.json"))
+  assert result["steps"] == 6 and result["eval_loss"] == ref_records[-1]["eval_loss"]
+
+
 # --- a run directory resumes only under the config it started with ---------------------------------------
 
 
@@ -324,6 +344,8 @@ def test_a_non_finite_evaluation_stops_the_run(tmp_path, monkeypatch):
     ({"fit_steps": 0}, "config.fit_steps must be a positive int"),
     ({"model.attention.type": "favor"}, "model.attention.type must be 'softmax'"),
     ({"model.only": "softmax"}, "model.variants and model.only must be empty"),
+    ({"model.mesh.distributed": True, "model.mesh.num_processes": 2},
+     r"model.mesh asks for a multi-process cluster .*'num_processes': 2.*config.model_dir"),
 ])
 def test_activations_fields_are_checked_before_the_model_trains(fields, message, tmp_path, nothing_trains):
   config, overrides = command_line(activations_config.get_config("quick"), fields)

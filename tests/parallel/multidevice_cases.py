@@ -274,7 +274,9 @@ def test_training_on_8_devices_matches_1_device(tmp_path, one_device_losses, dat
 
 @pytest.mark.parametrize("first,second", [(8, 1), (1, 8)])
 def test_checkpoint_moves_between_8_and_1_devices(tmp_path, one_device_losses, first, second):
-  _train(tmp_path, "moved", data=first, stop_after=3)
+  from experiments import training
+  with pytest.raises(training.Stopped, match="at step 3 of 6"):
+    _train(tmp_path, "moved", data=first, stop_after=3)
   moved = _losses(_train(tmp_path, "moved", data=second))
   np.testing.assert_array_equal(moved[:, 0], one_device_losses[:, 0])
   np.testing.assert_allclose(moved[:, 1], one_device_losses[:, 1], rtol=1e-5)
