@@ -112,6 +112,7 @@ def favor_attention(
     rho: Float[Array, "... H"] | None = None,
     causal_method: str = "auto",
     chunk_size: int = 64,
+    query_mask: Bool[Array, "... Lq"] | None = None,
 ) -> Float[Array, "... Lq H Dv"]:
   """FAVOR attention (Choromanski et al. 2021, "Rethinking Attention with Performers"):
 
@@ -123,6 +124,9 @@ def favor_attention(
 
   Keys are stabilised in log domain by a running maximum over past keys only,
   so causal outputs never depend, even numerically, on later tokens.
+  ``causal_method`` and ``chunk_size`` choose the causal pass (a value outside
+  their range is refused either way); bidirectional attention has one pass,
+  folding keys in blocks of its own, and reads neither.
   ``causal_method``: ``"auto"`` (default: ``"pallas"`` on a GPU where the
   kernel's features allow it, else ``"chunked"``), ``"chunked"`` (exact
   causal chunks of ``chunk_size`` with carried state, XLA), ``"pallas"``
@@ -139,7 +143,11 @@ def favor_attention(
   speed"): pass ``"chunked"`` where memory is short. ``rho`` is the
   statistic of a data-dependent kernel, required when ``causal``: FAVOR++'s ρ
   [..., H] (``optimal_positive``) or FAVOR#'s [..., H, D+1] (``saderf``: log Ψ
-  per coordinate, then ρ; see ``kernels.saderf_statistic``).
+  per coordinate, then ρ; see ``kernels.saderf_statistic``). Not causal, it is
+  computed here over the unmasked keys and the queries of ``query_mask``
+  (False: padding; None: all): pass the padding mask of a padded self-attention
+  as both masks, so the real rows do not depend on how much padding follows.
+  ``query_mask`` selects nothing else: every query's row is computed.
 
   Degenerate and non-finite inputs: a query that sees no unmasked key gives 0.
   A non-finite query gives NaN in its own row; a non-finite unmasked key or
@@ -150,15 +158,16 @@ def favor_attention(
   same for every ω, so keys are weighted by exp(−‖k‖²/(2√d)); ReLU features
   are 0 and every row is 0; trigonometric ones weight keys by exp(+‖k‖²/(2√d)).
   """
-  shared.validate(query, key, value, key_mask, causal)
+  shared.validate(query, key, value, key_mask, causal, query_mask=query_mask)
   checks.check_causal_method(causal_method, causal_lib.CAUSAL_METHODS)
   chunk_size = checks.check_chunk_size(chunk_size)
-  feature_fn = _feature_fn(kernel, projection, rho, query, key, key_mask, causal)
+  feature_fn = _feature_fn(kernel, projection, rho, query, key, key_mask, causal, query_mask=query_mask)
   return _run(feature_fn, query, key, value, key_mask, causal, causal_method, chunk_size)
 
 
-def _feature_fn(kernel, projection, rho, query, key, key_mask, causal, blocked=False):
-  """The kernel's feature_fn, with its statistic from the whole sequence unless causal (then given).
+def _feature_fn(kernel, projection, rho, query, key, key_mask, causal, blocked=False, query_mask=None):
+  """The kernel's feature_fn, with its statistic from the whole sequence (its unmasked keys, the queries
+  of ``query_mask``) unless causal (then given).
 
   ``blocked``: the features are taken block by block even when not causal, so a
   user callable must not stabilise its keys over the call's positions.
@@ -167,7 +176,7 @@ def _feature_fn(kernel, projection, rho, query, key, key_mask, causal, blocked=F
   if data_dependent and rho is None:
     if causal:
       raise kernels_lib.causal_statistic_error(kern, query)
-    rho = kern.compute_statistic(query, key, key_mask)
+    rho = kern.compute_statistic(query, key, key_mask, query_mask)
   rho_NH = shared.flat_rho(rho, query, kern)
   return shared.feature_fn_for(kern, projection, rho_NH, causal or blocked)
 
@@ -184,6 +193,7 @@ def hybrid_attention(
     key_mask: Bool[Array, "... Lk"] | None = None,
     rho: Float[Array, "... H"] | None = None,
     chunk_size: int = 64,
+    query_mask: Bool[Array, "... Lq"] | None = None,
 ) -> Float[Array, "... Lq H Dv"]:
   """Exact softmax weights near each query, the kernel's estimate for all other keys, one normaliser
   (Scatterbrain: Chen et al. 2021; Based's local + global split, Arora et al. 2024):
@@ -195,16 +205,17 @@ def hybrid_attention(
   ``window=0`` is :func:`favor_attention`; a window covering the sequence is
   :func:`softmax_attention`. O(L·(window + F)·(D + Dv)) time, no [L, L] array;
   the causal stabiliser never looks ahead. Needs Lq = Lk (positions are shared).
-  Masks, non-finite inputs and ``rho`` behave as in :func:`favor_attention`.
+  Masks, non-finite inputs, ``rho`` and ``query_mask`` behave as in :func:`favor_attention`.
   """
-  shared.validate(query, key, value, key_mask, causal)
+  shared.validate(query, key, value, key_mask, causal, query_mask=query_mask)
   checks.check_causal_lengths(query, key)
   window = checks.check_window(window)
   chunk_size = checks.check_chunk_size(chunk_size)
   if window == 0:
     return favor_attention(query, key, value, projection, kernel=kernel, causal=causal, key_mask=key_mask,
-                           rho=rho, chunk_size=chunk_size)
-  feature_fn = _feature_fn(kernel, projection, rho, query, key, key_mask, causal, blocked=True)
+                           rho=rho, chunk_size=chunk_size, query_mask=query_mask)
+  feature_fn = _feature_fn(kernel, projection, rho, query, key, key_mask, causal, blocked=True,
+                           query_mask=query_mask)
   batch = query.shape[:-3]
   mask = shared.mask_NL(key_mask, key)
   q, k, v, bad, _ = shared.split_nonfinite(*(shared.flatten(x, batch) for x in (query, key, value)), mask,

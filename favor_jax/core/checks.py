@@ -62,14 +62,15 @@ def check_value(key, value) -> None:
         f"got {value.shape}")
 
 
-def check_key_mask(key_mask, key_shape) -> None:
-  """key_mask: boolean `[..., Lk]`, broadcastable to key's batch dims."""
+def check_key_mask(key_mask, key_shape, name: str = "key_mask") -> None:
+  """key_mask (or the mask ``name`` of the rows of ``key_shape``): boolean `[..., L]`, broadcastable to
+  the batch dims."""
   if key_mask is None:
     return
   need = tuple(key_shape[:-3]) + (key_shape[-3],)
   mask_dtype = getattr(key_mask, "dtype", None)
   if mask_dtype is None or mask_dtype != jnp.bool_:
-    raise TypeError(f"key_mask must be a boolean array of shape {need}, got dtype {mask_dtype}")
+    raise TypeError(f"{name} must be a boolean array of shape {need}, got dtype {mask_dtype}")
   ok = key_mask.ndim >= 1 and key_mask.ndim <= len(need) and key_mask.shape[-1] == need[-1]
   if ok:
     try:
@@ -77,7 +78,8 @@ def check_key_mask(key_mask, key_shape) -> None:
     except ValueError:
       ok = False
   if not ok or jnp.broadcast_shapes(key_mask.shape, need) != need:
-    raise ValueError(f"key_mask must have shape {need} (batch dims..., Lk), got {key_mask.shape}")
+    length = "Lq" if name == "query_mask" else "Lk"
+    raise ValueError(f"{name} must have shape {need} (batch dims..., {length}), got {key_mask.shape}")
 
 
 def check_lengths(query, key) -> None:

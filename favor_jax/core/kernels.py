@@ -94,10 +94,12 @@ class Kernel:
   num_features: Callable[[int | None, int], int]  # F, from M (projection rows; None: no projection), D
   estimates_softmax: bool  # E[φ(q)ᵀφ(k)] = exp(q·k/√d) exactly
   needs_projection: bool = True
+  takes_projection: bool = True  # False: its features use none, and one given is refused (not ignored)
   learned: bool = False  # the projection is a trained parameter (initialised to the identity), not a draw
   # A statistic of the inputs the features depend on: the keyword that passes it (FAVOR++: "rho"), and
-  # the function computing it from (query, key, key_mask) over the whole sequence, which causal
-  # attention must not do (it would let later keys shape earlier outputs): causal callers pass it.
+  # the function computing it from (query, key, key_mask, query_mask) over the whole sequence, which causal
+  # attention must not do (it would let later keys shape earlier outputs): causal callers pass it. Masked
+  # and non-finite rows are left out of it (padding must not shape the real rows).
   statistic: str | None = None
   compute_statistic: Callable | None = None
 
@@ -111,7 +113,14 @@ class Kernel:
     one = jax.ShapeDtypeStruct(tuple(query_shape[:-3]) + (1,) + tuple(query_shape[-2:]), jnp.float32)
     return jax.eval_shape(self.compute_statistic, one, one).shape
 
+  def check_projection_given(self, projection) -> None:
+    """A projection given to a kernel that takes none is refused, not ignored."""
+    if projection is not None and not self.takes_projection:
+      raise ValueError(f"kernel {self.name!r} takes no projection (its features are a fixed function of q "
+                       f"and k), got one of shape {jnp.shape(projection)}: pass None")
+
   def __call__(self, query, key, projection=None, *, stabilize: bool = True, **statistic):
+    self.check_projection_given(projection)
     fq, fk = self.log_features(query, key, projection, **statistic)
     return (materialise(fq, stabilize=stabilize, over_keys=False),
             materialise(fk, stabilize=stabilize, over_keys=True))
@@ -178,32 +187,41 @@ def _trigonometric(query: Float[Array, "... Lq H D"], key: Float[Array, "... Lk 
   return feats(x), feats(y)
 
 
-def _key_weights(y, key_mask):
-  """Per key, 1/(unmasked keys) or 0 if masked: [..., Lk]; a mean over keys is a contraction with it."""
-  w = jnp.ones(y.shape[:-2], jnp.float32)
-  if key_mask is not None:
-    w = jnp.broadcast_to(key_mask, y.shape[:-2]).astype(jnp.float32)
-  return w / jnp.maximum(jnp.sum(w, axis=-1, keepdims=True), 1.0)
+def _kept_rows(x_LHD, mask_L):
+  """(x with the rows left out zeroed, per row and head 1/(rows kept) or 0: [..., L, H]): a mean over the
+  kept rows is a contraction with the weights. Left out: masked rows, and rows non-finite in a head (a
+  padded or NaN row must not reach the statistic of the others; its own row is NaN all the same)."""
+  keep = jnp.all(jnp.isfinite(x_LHD), axis=-1)
+  if mask_L is not None:
+    keep = keep & jnp.broadcast_to(mask_L, x_LHD.shape[:-2])[..., None]
+  w = keep.astype(jnp.float32)
+  return jnp.where(keep[..., None], x_LHD, 0.0), w / jnp.maximum(jnp.sum(w, axis=-2, keepdims=True), 1.0)
 
 
 def oprf_rho(query: Float[Array, "... Lq H D"], key: Float[Array, "... Lk H D"],
-             key_mask: Bool[Array, "... Lk"] | None = None) -> Float[Array, "... H"]:
+             key_mask: Bool[Array, "... Lk"] | None = None,
+             query_mask: Bool[Array, "... Lq"] | None = None) -> Float[Array, "... H"]:
   """FAVOR++ statistic ρ = mean_{i,j} ‖xᵢ + yⱼ‖² / d, per batch element and head.
 
-  x = q·d^{-1/4}, y = k·d^{-1/4}; masked keys are left out. The mean over all
-  pairs is ‖x‖²‾ + ‖y‖²‾ + 2·x̄ᵀȳ, so it costs O(L·d).
+  x = q·d^{-1/4}, y = k·d^{-1/4}; masked keys, masked queries (``query_mask``:
+  padding) and non-finite rows are left out. The mean over all pairs is
+  ‖x‖²‾ + ‖y‖²‾ + 2·x̄ᵀȳ, so it costs O(L·d).
   """
+  x, y, wx_LH, wy_LH = _statistic_inputs(query, key, key_mask, query_mask)
+  x_sq, y_sq = (jnp.einsum("...lh,...lh->...h", w, jnp.sum(z * z, -1)) for z, w in ((x, wx_LH), (y, wy_LH)))
+  x_bar, y_bar = (jnp.einsum("...lh,...lhd->...hd", w, z) for z, w in ((x, wx_LH), (y, wy_LH)))
+  return jnp.maximum(x_sq + y_sq + 2 * jnp.sum(x_bar * y_bar, -1), 0.0) / x.shape[-1]  # ≥ 0 but for rounding
+
+
+def _statistic_inputs(query, key, key_mask, query_mask):
+  """x = q·d^{-1/4} and y = k·d^{-1/4} with their kept rows' weights (``_kept_rows``), inputs checked."""
   checks.check_qk(query, key)
   checks.check_lengths(query, key)
   checks.check_key_mask(key_mask, key.shape)
-  x, y = _scaled(query), _scaled(key)
-  d = x.shape[-1]
-  x_sq = jnp.mean(jnp.sum(x * x, -1), axis=-2)  # [..., H]
-  x_bar = jnp.mean(x, axis=-3)  # [..., H, D]
-  w = _key_weights(y, key_mask)
-  y_sq = jnp.einsum("...l,...lh->...h", w, jnp.sum(y * y, -1))
-  y_bar = jnp.einsum("...l,...lhd->...hd", w, y)
-  return jnp.maximum(x_sq + y_sq + 2 * jnp.sum(x_bar * y_bar, -1), 0.0) / d  # ≥ 0 but for rounding
+  checks.check_key_mask(query_mask, query.shape, "query_mask")
+  x, wx_LH = _kept_rows(_scaled(query), query_mask)
+  y, wy_LH = _kept_rows(_scaled(key), key_mask)
+  return x, y, wx_LH, wy_LH
 
 
 def broadcast_rho(rho, query) -> Float[Array, "... H"]:
@@ -278,7 +296,7 @@ def _elu_plus_one(query: Float[Array, "... Lq H D"], key: Float[Array, "... Lk H
                   projection: Float[Array, "M D"] | Float[Array, "H M D"] | None = None):
   """Deterministic linear-attention baseline (Katharopoulos et al. 2020), F = D:
 
-      φ(x) = elu(x) + 1  on the raw inputs. The projection is not used (may be None).
+      φ(x) = elu(x) + 1  on the raw inputs: no projection (the record refuses one: ``takes_projection``).
 
   In log domain, log φ = log1p(x) for x > 0 and x below: elu(x) + 1 = eˣ there, which float32 would
   round to exactly 0 from x ≈ −17 (a query row then attends to nothing); the stabiliser keeps any x exact.
@@ -357,29 +375,27 @@ optimal_positive = Kernel("optimal_positive", _optimal_positive, lambda m, d: m,
                           statistic="rho", compute_statistic=oprf_rho)
 relu = Kernel("relu", _relu, lambda m, d: m, estimates_softmax=False)
 elu_plus_one = Kernel("elu_plus_one", _elu_plus_one, lambda m, d: d, estimates_softmax=False,
-                      needs_projection=False)
+                      needs_projection=False, takes_projection=False)
 taylor = Kernel("taylor", _taylor, _taylor_features, estimates_softmax=False, needs_projection=False)
 hedgehog = Kernel("hedgehog", _hedgehog, lambda m, d: 2 * m, estimates_softmax=False, learned=True)
 
 
 def saderf_statistic(query: Float[Array, "... Lq H D"], key: Float[Array, "... Lk H D"],
-                     key_mask: Bool[Array, "... Lk"] | None = None) -> Float[Array, "... H D+1"]:
+                     key_mask: Bool[Array, "... Lk"] | None = None,
+                     query_mask: Bool[Array, "... Lq"] | None = None) -> Float[Array, "... H D+1"]:
   """FAVOR#'s statistic per batch element and head: [log Ψ₁, …, log Ψ_D, ρ], O(L·d).
 
   Ψ = diag(Ψ_l) minimises the mean over all (query, key) pairs of ‖Ψx + Ψ⁻¹y‖²
   = Σ_l (Ψ_l² m_l^x + Ψ_l⁻² m_l^y) + 2·x̄ᵀȳ, with m^x = mean_i x_i², m^y = mean_j y_j²
   per coordinate: Ψ_l = (m_l^y / m_l^x)^{1/4}. ρ is that mean over pairs / d, the
   FAVOR++ statistic (:func:`oprf_rho`) of the rescaled pairs. x = q·d^{-1/4},
-  y = k·d^{-1/4}; masked keys are left out. A coordinate that is (nearly) zero
-  in all queries or all keys gets a bounded Ψ_l (every Ψ > 0 is unbiased).
+  y = k·d^{-1/4}; masked keys, masked queries (``query_mask``: padding) and
+  non-finite rows are left out. A coordinate that is (nearly) zero in all
+  queries or all keys gets a bounded Ψ_l (every Ψ > 0 is unbiased).
   """
-  checks.check_qk(query, key)
-  checks.check_lengths(query, key)
-  checks.check_key_mask(key_mask, key.shape)
-  x, y = _scaled(query), _scaled(key)
-  w = _key_weights(y, key_mask)
-  mx, x_bar = jnp.mean(x * x, axis=-3), jnp.mean(x, axis=-3)  # [..., H, D]
-  my, y_bar = jnp.einsum("...l,...lhd->...hd", w, y * y), jnp.einsum("...l,...lhd->...hd", w, y)
+  x, y, wx_LH, wy_LH = _statistic_inputs(query, key, key_mask, query_mask)
+  mx, x_bar = (jnp.einsum("...lh,...lhd->...hd", wx_LH, z) for z in (x * x, x))  # [..., H, D]
+  my, y_bar = (jnp.einsum("...lh,...lhd->...hd", wy_LH, z) for z in (y * y, y))
   floor = 1e-8 * jnp.mean(mx + my, axis=-1, keepdims=True) + 1e-30
   log_psi = 0.25 * (jnp.log(my + floor) - jnp.log(mx + floor))
   psi_sq = jnp.exp(2.0 * log_psi)

@@ -30,7 +30,7 @@ NEG_INF = -jnp.inf
 def split_nonfinite(q, k, v, mask, *, causal: bool, axis_name=None, prior=None):
   """Non-finite inputs, taken out of the computation and marked (one rule for every algorithm).
 
-  Returns q, k, v with non-finite entries set to 0, and ``bad`` [N, Lq, H]: the
+  Returns q, k, v with non-finite entries (and masked keys) set to 0, and ``bad`` [N, Lq, H]: the
   rows whose exact output depends on a non-finite input — their own query, or
   an unmasked key or value they may see (j ≤ t if ``causal``). Masked keys are
   absent, whatever they hold. ``axis_name``: the sequence is split over this
@@ -54,7 +54,10 @@ def split_nonfinite(q, k, v, mask, *, causal: bool, axis_name=None, prior=None):
     if axis_name is not None:
       seen = jax.lax.psum(seen.astype(jnp.int32), axis_name) > 0
   zero = lambda x: jnp.where(jnp.isfinite(x), x, jnp.zeros((), x.dtype))
-  return zero(q), zero(k), zero(v), ~finite(q) | seen, seen[:, -1]
+  # Masked keys are zeros from here on: a user's feature map that stabilises over the keys it is given
+  # must not scale the unmasked ones by a masked key's features (they could underflow to silent zeros).
+  k = jnp.where(mask[:, :, None, None], zero(k), jnp.zeros((), k.dtype))
+  return zero(q), k, zero(v), ~finite(q) | seen, seen[:, -1]
 
 
 def poison(out, bad):
@@ -152,7 +155,7 @@ def initial_state(feature_fn, q, k, v) -> RecurrentState:
                         jnp.zeros((n, h, f, v.shape[-1] + 1), jnp.float32))
 
 
-def validate(query, key, value, key_mask, causal, q_name="query", k_name="key"):
+def validate(query, key, value, key_mask, causal, q_name="query", k_name="key", query_mask=None):
   try:
     checks.check_qk(query, key)
   except (TypeError, ValueError) as e:
@@ -160,6 +163,7 @@ def validate(query, key, value, key_mask, causal, q_name="query", k_name="key"):
   checks.check_lengths(query, key)
   checks.check_value(key, value)
   checks.check_key_mask(key_mask, key.shape)
+  checks.check_key_mask(query_mask, query.shape, "query_mask")
   if causal:
     checks.check_causal_lengths(query, key)
 
@@ -213,6 +217,8 @@ def resolve_kernel(kernel, projection, rho, query):
   record = isinstance(kern, kernels_lib.Kernel)
   name = kern.name if record else getattr(kern, "__name__", repr(kern))
   if projection is not None:
+    if record:
+      kern.check_projection_given(projection)
     checks.check_projection(projection, query.shape[-1], query.shape[-2])
   elif not record or kern.needs_projection:
     raise ValueError(f"kernel {name!r} needs a projection [M, {query.shape[-1]}], got None")

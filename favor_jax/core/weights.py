@@ -55,6 +55,7 @@ def attention_weights(
     key_mask: Bool[Array, "... Lk"] | None = None,
     window: int = 0,
     rho: Float[Array, "... H"] | None = None,
+    query_mask: Bool[Array, "... Lq"] | None = None,
 ) -> Float[Array, "... H Lq Lk"]:
   """The normalised weights A [..., H, Lq, Lk] with out = A v, as the attention functions compute them.
 
@@ -65,16 +66,20 @@ def attention_weights(
   (:func:`hybrid_attention`). Rows sum to 1 over the keys they may see (j ≤ t if
   ``causal``, unmasked); a row that sees none is 0. Computed in log domain, so
   no weight underflows because another key of its row is far larger.
+  ``rho`` and ``query_mask`` (the queries a data-dependent kernel's statistic
+  averages over) are as in :func:`favor_attention`.
   """
   checks.check_qk(query, key)
   checks.check_lengths(query, key)
   checks.check_key_mask(key_mask, key.shape)
+  checks.check_key_mask(query_mask, query.shape, "query_mask")
   window = checks.check_window(window)
   if causal or window:
     checks.check_causal_lengths(query, key)
   batch = query.shape[:-3]
   mask = shared.mask_NL(key_mask, key)
   q, k = (shared.flatten(x, batch).astype(jnp.float32) for x in (query, key))
+  k = jnp.where(mask[:, :, None, None], k, 0.0)  # masked keys are ignored whatever they hold (NaN included)
   lq, lk = q.shape[1], k.shape[1]
   gap = jnp.arange(lq)[:, None] - jnp.arange(lk)[None, :]
   allowed = mask[:, None, None, :] & ((gap >= 0) if causal else True)  # [N, 1, Lq, Lk]
@@ -84,7 +89,8 @@ def attention_weights(
       raise ValueError("kernel='softmax' takes no projection and no rho")
     log_w, sign = exact, jnp.ones_like(exact)
   else:
-    feature_fn = attention._feature_fn(kernel, projection, rho, query, key, key_mask, causal, blocked=True)
+    feature_fn = attention._feature_fn(kernel, projection, rho, query, key, key_mask, causal, blocked=True,
+                                       query_mask=query_mask)
     log_w, sign = _kernel_log_weights(*feature_fn(q, k))
     if window:
       near = (jnp.abs(gap) < window) & ((gap >= 0) if causal else True)

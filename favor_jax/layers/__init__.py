@@ -169,6 +169,15 @@ def key_mask_from_flax(mask, key) -> Array | None:
   return jnp.broadcast_to(mask[..., 0, 0, :].astype(bool), batch + (lk,))
 
 
+def padding_masks(mask, inputs_q, inputs_k, key) -> tuple[Array | None, Array | None]:
+  """(key_mask, query_mask) of a Flax ``mask`` (``key_mask_from_flax``). In self-attention (keys from the
+  queries' input: ``inputs_k is inputs_q`` after ``check_inputs``) the key padding is the queries' padding
+  too: a data-dependent kernel's statistic leaves those queries out, so the real rows do not depend on how
+  much padding follows. Cross-attention: no query mask."""
+  key_mask = key_mask_from_flax(mask, key)
+  return key_mask, (key_mask if inputs_k is inputs_q else None)
+
+
 def check_inputs(inputs_q, inputs_k, inputs_v):
   """(inputs_q, inputs_k, inputs_v) as Flax's attention reads them: keys default to the queries, values to
   the keys; values without keys are refused, as Flax refuses them."""
@@ -249,8 +258,8 @@ def precision_scope(precision):
   return jax.default_matmul_precision(precision)
 
 
-def _statistic_of(kernel, query, key, key_mask):
-  return core.get_kernel(kernel).compute_statistic(query, key, key_mask)
+def _statistic_of(kernel, query, key, key_mask, query_mask=None):
+  return core.get_kernel(kernel).compute_statistic(query, key, key_mask, query_mask)
 
 
 def initial_statistic(kernel, heads: int, qk_dim: int):
@@ -258,13 +267,14 @@ def initial_statistic(kernel, heads: int, qk_dim: int):
   return jnp.zeros(core.get_kernel(kernel).statistic_shape((1, 1, heads, qk_dim))[1:], jnp.float32)
 
 
-def updated_statistic(kernel, running, query, key, key_mask, momentum: float):
-  """Exponential moving average of ``kernel``'s statistic with this batch's mean one (no gradient).
+def updated_statistic(kernel, running, query, key, key_mask, momentum: float, query_mask=None):
+  """Exponential moving average of ``kernel``'s statistic with this batch's mean one (no gradient; over the
+  unmasked keys and the queries of ``query_mask``).
 
   The kernel record computes the statistic per batch element; its mean over the batch dims keeps
   the running value's shape (FAVOR++'s ρ: [H]).
   """
-  batch_stat = jax.lax.stop_gradient(_statistic_of(kernel, query, key, key_mask))
+  batch_stat = jax.lax.stop_gradient(_statistic_of(kernel, query, key, key_mask, query_mask))
   batch_dims = tuple(range(query.ndim - 3))
 
   def step(old, new):
@@ -325,7 +335,7 @@ def check_sequence_parallel(mesh, sequence_axis, *, causal_method, decode, windo
 
 
 def attend(query, key, value, projection, *, window: int = 0, causal_method: str = "auto", mesh=None,
-           sequence_axis: str | None = None, batch_axis: str | None = None, **kwargs):
+           sequence_axis: str | None = None, batch_axis: str | None = None, query_mask=None, **kwargs):
   """``core.favor_attention``, or ``core.hybrid_attention`` (exact softmax within ``window``) if window > 0,
   or with ``sequence_axis`` ``parallel.sequence_parallel_attention`` over ``mesh`` (FAVOR++'s ρ, if not
   given, from the whole batch and sequence: XLA reduces it across devices). Its callers have checked
@@ -333,12 +343,13 @@ def attend(query, key, value, projection, *, window: int = 0, causal_method: str
   ``make_attention_fn``)."""
   if sequence_axis is not None:
     if kwargs.get("rho") is None and is_data_dependent(kwargs.get("kernel", "positive")):
-      kwargs["rho"] = core.get_kernel(kwargs["kernel"]).compute_statistic(query, key, kwargs.get("key_mask"))
+      kwargs["rho"] = _statistic_of(kwargs["kernel"], query, key, kwargs.get("key_mask"), query_mask)
     return parallel.sequence_parallel_attention(query, key, value, projection, mesh=mesh, axis_name=sequence_axis,
                                                 batch_axis=batch_axis, **kwargs)
   if window:
-    return core.hybrid_attention(query, key, value, projection, window=window, **kwargs)
-  return core.favor_attention(query, key, value, projection, causal_method=causal_method, **kwargs)
+    return core.hybrid_attention(query, key, value, projection, window=window, query_mask=query_mask, **kwargs)
+  return core.favor_attention(query, key, value, projection, causal_method=causal_method, query_mask=query_mask,
+                              **kwargs)
 
 
 def check_causal_method(causal_method, only_chunked_because: str | None = None) -> None:
@@ -370,7 +381,9 @@ def make_attention_fn(
   (:func:`core.hybrid_attention`). ``causal_method``: as in
   :func:`core.favor_attention` ("auto": fused Pallas kernels on a GPU where
   they apply). Key-padding masks are
-  honoured; ``causal=True`` here or ``is_causal=True`` from NNX gives causal
+  honoured (no query padding is known here: a data-dependent kernel's statistic
+  averages over every query, padded ones included; the layers leave them out);
+  ``causal=True`` here or ``is_causal=True`` from NNX gives causal
   attention; full masks, ``bias``, attention dropout, ``sow_weights`` and
   unknown keywords with a non-default value raise instead of being ignored.
   """

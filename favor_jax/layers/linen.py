@@ -148,8 +148,8 @@ class FavorAttention(nn.MultiHeadDotProductAttention):
     projection = self._projection(qk_dim)
 
     deterministic = layers.resolve_deterministic(self.dropout_rate, self.deterministic, deterministic)
-    key_mask = layers.key_mask_from_flax(mask, key)
-    rho = self._running_statistic(query, key, key_mask, train=not deterministic)
+    key_mask, query_mask = layers.padding_masks(mask, inputs_q, inputs_k, key)
+    rho = self._running_statistic(query, key, key_mask, query_mask, train=not deterministic)
     attend = dict(kernel=self.kernel, key_mask=key_mask, rho=rho, chunk_size=self.chunk_size)
     with layers.precision_scope(self.precision):
       if self.decode:
@@ -157,7 +157,7 @@ class FavorAttention(nn.MultiHeadDotProductAttention):
       else:
         x = layers.attend(query, key, value, projection, window=self.window, causal=self.causal,
                           causal_method=self.causal_method, mesh=self.mesh, sequence_axis=self.sequence_axis,
-                          batch_axis=self.batch_axis, **attend)
+                          batch_axis=self.batch_axis, query_mask=query_mask, **attend)
     return nn.DenseGeneral(
         features=features, axis=(-2, -1), kernel_init=self.out_kernel_init or self.kernel_init,
         bias_init=self.out_bias_init or self.bias_init, use_bias=self.use_bias, dtype=self.dtype,
@@ -192,7 +192,7 @@ class FavorAttention(nn.MultiHeadDotProductAttention):
       raise ValueError(f"{name} must have shape {want}, got {value.shape} (num_heads={self.num_heads}, "
                        f"kernel={self.kernel!r}, per_head_projection={self.per_head_projection})")
 
-  def _running_statistic(self, query, key, key_mask, train):
+  def _running_statistic(self, query, key, key_mask, query_mask, train):
     """Causal data-dependent kernels: the running statistic as it was before this step (then updated
     if training). Named after the kernel's ``statistic`` (FAVOR++: ``rho`` [H])."""
     if not layers.keeps_statistic(self.kernel, self.causal):
@@ -206,7 +206,7 @@ class FavorAttention(nn.MultiHeadDotProductAttention):
                                    mutable=self.is_mutable_collection("favor"))
     if train:
       momentum = layers.rho_momentum(self.rho_momentum, self.kernel, self.causal)
-      stat.value = layers.updated_statistic(self.kernel, used, query, key, key_mask, momentum)
+      stat.value = layers.updated_statistic(self.kernel, used, query, key, key_mask, momentum, query_mask)
     return used
 
   def _decode(self, query, key, value, projection, attend):

@@ -197,14 +197,14 @@ class FavorAttention(nnx.MultiHeadAttention):
     query, key = layers.transform_qk(self.qk_transform, query, key)
 
     deterministic = layers.resolve_deterministic(self.dropout_rate, self.deterministic, deterministic)
-    key_mask = layers.key_mask_from_flax(mask, key)
+    key_mask, query_mask = layers.padding_masks(mask, inputs_q, inputs_k, key)
     rho = None
     if self.statistic is not None:
       rho = self.statistic.get_value()
       layers.check_running_statistic(self.kernel, train=not deterministic, decode=decode)
       if not deterministic:
         self.statistic.set_value(
-            layers.updated_statistic(self.kernel, rho, query, key, key_mask, self.rho_momentum))
+            layers.updated_statistic(self.kernel, rho, query, key, key_mask, self.rho_momentum, query_mask))
     attend = dict(kernel=self.kernel, key_mask=key_mask, rho=rho, chunk_size=self.chunk_size,
                   window=self.window)
     projection = self._projection()
@@ -219,5 +219,6 @@ class FavorAttention(nnx.MultiHeadAttention):
         self.decode_state.set_value(state)
       else:
         x = layers.attend(query, key, value, projection, causal=self.causal, causal_method=self.causal_method,
-                          mesh=self.mesh, sequence_axis=self.sequence_axis, batch_axis=self.batch_axis, **attend)
+                          mesh=self.mesh, sequence_axis=self.sequence_axis, batch_axis=self.batch_axis,
+                          query_mask=query_mask, **attend)
     return self.out(x)

@@ -21,7 +21,10 @@ def _qkv(seed=0, length=L, scale=0.5, batch=(B,)):
   return q, k, v
 
 
-def _proj(m=16, seed=5):
+def _proj(m=16, seed=5, name=None):
+  """An orthogonal [m, D] projection; None for kernel ``name`` if its record takes none."""
+  if name is not None and not kernels.KERNELS[name].takes_projection:
+    return None
   return core.orthogonal_projection(jax.random.PRNGKey(seed), m, D)
 
 
@@ -73,7 +76,7 @@ def test_linear_attention_equals_explicit_quadratic_form(causal, method, maybe_j
 def test_favor_equals_linear_attention_on_raw_features(name, causal, maybe_jit):
   # Stabilisation is exact: favor_attention == explicit form on the unstabilised features.
   q, k, v = _qkv()
-  proj = _proj()
+  proj = _proj(name=name)
   extra = _extra(name, causal)
   raw_q, raw_k = kernels.KERNELS[name](q, k, proj, stabilize=False,
                                        **({"rho": extra["rho"]} if extra else {}))
@@ -167,7 +170,7 @@ def test_forward_mode_runs_through_scan_and_cumsum_and_is_refused_by_the_custom_
 def test_future_tokens_do_not_change_the_past(name, method):
   q, k, v = _qkv()
   t = 20  # inside a chunk of 8, so the chunk holds both past and future keys
-  proj = _proj()
+  proj = _proj(name=name)
   fn = jax.jit(functools.partial(core.favor_attention, kernel=name, causal=True,
                                  causal_method=method, chunk_size=8, **_extra(name, True)))
   base = fn(q, k, v, proj)
@@ -221,6 +224,70 @@ def test_key_mask_equals_truncated_sequence(name, maybe_jit):
   np.testing.assert_allclose(masked, truncated, rtol=1e-5, atol=1e-6)
 
 
+DATA_DEPENDENT = [n for n, k in sorted(kernels.KERNELS.items()) if k.data_dependent]
+
+
+@pytest.mark.parametrize("name", DATA_DEPENDENT)
+def test_padding_reaches_no_real_row_of_a_data_dependent_kernel(name):
+  """Padded self-attention, its padding mask given as key_mask and query_mask: the real rows are those of
+  the unpadded sequence (the statistic averages over real queries and keys alone), whatever the padding
+  holds (×50 values, NaN): favor_attention, hybrid_attention, attention_weights and the statistic.
+  FAVOR++'s ρ is checked against its definition, the mean over real pairs of ‖xᵢ + yⱼ‖²/d in float64."""
+  q, k, v = _qkv(scale=1.0)
+  proj, real = _proj(), jnp.array([30, 21])
+  pad = jnp.arange(L)[None, :] < real[:, None]
+  junk = lambda x, fill: jnp.where(pad[..., None, None], x, fill)
+  q_pad, k_pad = junk(q, 50.0).at[0, -1].set(jnp.nan), junk(k, -50.0).at[1, -2].set(jnp.nan)
+  kern, masks = kernels.KERNELS[name], dict(key_mask=pad, query_mask=pad)
+  stat = kern.compute_statistic(q_pad, k_pad, pad, pad)
+  padded = {"favor": core.favor_attention(q_pad, k_pad, v, proj, kernel=name, **masks),
+            "hybrid": core.hybrid_attention(q_pad, k_pad, v, proj, window=3, kernel=name, **masks)}
+  weights = core.attention_weights(q_pad, k_pad, proj, kernel=name, **masks)
+  for b, n in enumerate(np.asarray(real)):
+    one = lambda x: x[b:b + 1, :n]
+    np.testing.assert_allclose(stat[b], kern.compute_statistic(one(q), one(k))[0], rtol=1e-5)
+    np.testing.assert_allclose(padded["favor"][b, :n], core.favor_attention(one(q), one(k), one(v), proj,
+                                                                             kernel=name)[0], atol=1e-6)
+    np.testing.assert_allclose(padded["hybrid"][b, :n], core.hybrid_attention(
+        one(q), one(k), one(v), proj, window=3, kernel=name)[0], atol=1e-6)
+    np.testing.assert_allclose(weights[b, :, :n, :n], core.attention_weights(one(q), one(k), proj,
+                                                                             kernel=name)[0], atol=1e-6)
+    if name == "optimal_positive":
+      x, y = (np.float64(z[b, :n]) * D ** -0.25 for z in (q, k))  # [n, H, D]
+      pairs = np.sum((x[:, None] + y[None, :]) ** 2, -1) / D  # [n, n, H]
+      np.testing.assert_allclose(stat[b], pairs.mean((0, 1)), rtol=1e-5)
+  # Without query_mask the padded queries count (their 50s dominate ρ), as documented: not the real rows'.
+  assert not np.allclose(kern.compute_statistic(junk(q, 50.0), k_pad, pad), stat, rtol=1e-2)
+  # An unmasked NaN query is NaN in its own row only (the statistic leaves it out), as in exact attention.
+  bad = core.favor_attention(q.at[0, 3, 1, 2].set(jnp.nan), k, v, proj, kernel=name)
+  want = np.zeros(bad.shape[:-1], bool)
+  want[0, 3, 1] = True
+  np.testing.assert_array_equal(np.isnan(bad).any(-1), want)
+
+
+def test_a_user_feature_map_never_sees_a_masked_key():
+  """A callable kernel stabilises its keys over those it is given: a huge masked key (trigonometric features
+  grow as e^{‖k‖²/(2√d)}) must not scale the others to zero rows. Masked = truncated: favor_attention
+  (bidirectional and causal), hybrid_attention and attention_weights."""
+  def user_map(query, key, projection, *, stabilize=True):
+    return kernels.trigonometric(query, key, projection, stabilize=stabilize)
+
+  q, k, v = _qkv()
+  proj, keep = _proj(), 25
+  mask = jnp.broadcast_to(jnp.arange(L) < keep, (B, L))
+  k = k.at[:, keep:].multiply(40.0)
+  cut = lambda x: x[:, :keep]
+  for causal in (False, True):
+    got = core.favor_attention(q, k, v, proj, kernel=user_map, key_mask=mask, causal=causal)[:, :keep]
+    want = core.favor_attention(cut(q), cut(k), cut(v), proj, kernel=user_map, causal=causal)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=f"causal={causal}")
+  got = core.hybrid_attention(q, k, v, proj, window=4, kernel=user_map, key_mask=mask)[:, :keep]
+  np.testing.assert_allclose(got, core.hybrid_attention(cut(q), cut(k), cut(v), proj, window=4, kernel=user_map),
+                             atol=1e-5)
+  weights = core.attention_weights(q, k, proj, kernel=user_map, key_mask=mask)[..., :keep, :keep]
+  np.testing.assert_allclose(weights, core.attention_weights(cut(q), cut(k), proj, kernel=user_map), atol=1e-6)
+
+
 def test_all_masked_row_gives_zero_not_nan():
   q, k, v = _qkv()
   proj = _proj()
@@ -242,7 +309,7 @@ def test_all_masked_row_gives_zero_not_nan():
 @pytest.mark.parametrize("causal", [False, True])
 def test_finite_outputs_and_grads_for_large_inputs(dtype, name, causal):
   q, k, v = (x.astype(dtype) for x in _qkv(scale=20.0))
-  proj = _proj()
+  proj = _proj(name=name)
   extra = _extra(name, causal)
 
   def loss(q, k, v):
@@ -329,7 +396,7 @@ def test_every_kernel_gradients_equal_those_of_the_explicit_form(name, causal):
   a given statistic held constant, the projection's gradient too."""
   q, k, v = _qkv(length=13)
   mask = jnp.ones((B, 13), bool).at[1, 5].set(False)
-  proj = _proj()
+  proj = _proj(name=name)
   rho = _extra(name, True)  # a given statistic (constant), both directions
   weight = jnp.cos(jnp.arange(B * 13 * H * D).reshape(B, 13, H, D))
 
@@ -341,8 +408,9 @@ def test_every_kernel_gradients_equal_those_of_the_explicit_form(name, causal):
     out = _explicit_jax(*kernels.KERNELS[name](q, k, p, stabilize=False, **rho), v, causal, mask)
     return jnp.sum(out * weight)
 
-  got = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(q, k, v, proj)
-  want = jax.jit(jax.grad(ref_loss, argnums=(0, 1, 2, 3)))(q, k, v, proj)
+  argnums = (0, 1, 2, 3) if proj is not None else (0, 1, 2)
+  got = jax.jit(jax.grad(loss, argnums=argnums))(q, k, v, proj)
+  want = jax.jit(jax.grad(ref_loss, argnums=argnums))(q, k, v, proj)
   for g, w, what in zip(got, want, "qkvw"):
     np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5 * np.max(np.abs(w)) + 1e-7, err_msg=what)
 

@@ -76,13 +76,19 @@ def test_fixed_norm_orthogonal_is_biased_for_exponential_kernels():
 @pytest.mark.parametrize("name", sorted(kernels.KERNELS))
 def test_feature_shapes_and_stabilize_cancels(name, maybe_jit):
   q, k = _pairs()
-  w = core.orthogonal_projection(jax.random.PRNGKey(0), 6, D)
   kern = kernels.KERNELS[name]
+  w = core.orthogonal_projection(jax.random.PRNGKey(0), 6, D) if kern.takes_projection else None
   raw_q, raw_k = maybe_jit(kern, stabilize=False)(q, k, w)
   st_q, st_k = maybe_jit(kern, stabilize=True)(q, k, w)
   f = kern.num_features(6, D)  # the record's count is the shape its formula produces
   assert raw_q.shape == (1, 3, 2, f) and raw_k.shape == (1, 3, 2, f)
-  assert kern(q, k, w[:4])[0].shape[-1] == kern.num_features(4, D)
+  if w is not None:
+    assert kern(q, k, w[:4])[0].shape[-1] == kern.num_features(4, D)
+  else:  # a projection it cannot use is refused, by the record and by every attention function
+    for call in (lambda: kern(q, k, jnp.ones((6, D))), lambda: core.favor_attention(q, k, q, jnp.ones((6, D)),
+                                                                                   kernel=name)):
+      with pytest.raises(ValueError, match=f"kernel '{name}' takes no projection .*shape \\(6, {D}\\)"):
+        call()
   # Stabilising rescales query rows and whole key sets: normalised attention weights are unchanged.
   norm = lambda a, b: (lambda s: s / s.sum(-1, keepdims=True))(jnp.einsum("blhf,bshf->bhls", a, b))
   np.testing.assert_allclose(norm(st_q, st_k), norm(raw_q, raw_k), rtol=1e-5, atol=1e-6)

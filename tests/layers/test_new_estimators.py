@@ -430,6 +430,38 @@ def test_causal_saderf_keeps_a_running_statistic_shaped_by_its_record_and_never_
                              rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.parametrize("api", sorted(RUN))
+def test_padded_self_attention_of_a_data_dependent_kernel_gives_the_unpadded_rows(api):
+  """A bidirectional FAVOR++/FAVOR# layer on a padded batch (junk in the padding, a Flax key-padding mask):
+  its real rows equal the same layer's on the unpadded sequences, as softmax's would (self-attention: the
+  padding mask is the queries' too, left out of the statistic). A causal layer's running statistic takes
+  this batch's statistic over real queries and keys alone."""
+  real = 6
+  x = _x()
+  padded = x.at[:, real:].set(40.0)
+  mask = jnp.broadcast_to(jnp.arange(L) < real, (B, L))[:, None, None, :]
+  for kernel in ("optimal_positive", "saderf"):
+    if api == "linen":
+      layer = flin.FavorAttention(num_heads=H, num_features=M, kernel=kernel)
+      variables, apply = _init(layer, x), jax.jit(layer.apply)
+      got, want = apply(variables, padded, mask=mask), apply(variables, x[:, :real])
+    else:
+      layer = _nnx_layer(kernel, num_features=M)
+      got, want = layer(padded, mask=mask), layer(x[:, :real])
+    np.testing.assert_allclose(got[:, :real], want, atol=1e-5, err_msg=kernel)
+  if api == "linen":
+    layer = flin.FavorAttention(num_heads=H, num_features=M, kernel="saderf", causal=True, rho_momentum=0.5)
+    variables = _init(layer, x)
+    train = jax.jit(functools.partial(layer.apply, variables, deterministic=False, mutable=["favor"]))
+    stat, want = (train(padded, mask=mask)[1]["favor"]["rho"], train(x[:, :real])[1]["favor"]["rho"])
+  else:
+    layer, twin = (_nnx_layer("saderf", num_features=M, causal=True, rho_momentum=0.5) for _ in range(2))
+    layer(padded, mask=mask, deterministic=False)
+    twin(x[:, :real], deterministic=False)
+    stat, want = layer.statistic[...], twin.statistic[...]
+  np.testing.assert_allclose(stat, want, rtol=1e-5, atol=1e-7)
+
+
 # --- Hedgehog distillation ---------------------------------------------------------------------------
 
 def _weights_reference(q, k, w):
