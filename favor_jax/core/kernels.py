@@ -187,15 +187,25 @@ def _trigonometric(query: Float[Array, "... Lq H D"], key: Float[Array, "... Lk 
   return feats(x), feats(y)
 
 
-def _kept_rows(x_LHD, mask_L):
-  """(x with the rows left out zeroed, per row and head 1/(rows kept) or 0: [..., L, H]): a mean over the
-  kept rows is a contraction with the weights. Left out: masked rows, and rows non-finite in a head (a
-  padded or NaN row must not reach the statistic of the others; its own row is NaN all the same)."""
+def _query_rows(x_LHD, query_mask):
+  """(x with the queries left out zeroed, the count kept per head [..., H]): a mean over queries is a sum
+  divided by it. Left out: those of ``query_mask`` False (padding), and those non-finite in a head (a NaN
+  query is NaN in its own row only, never in the statistic of the others)."""
   keep = jnp.all(jnp.isfinite(x_LHD), axis=-1)
-  if mask_L is not None:
-    keep = keep & jnp.broadcast_to(mask_L, x_LHD.shape[:-2])[..., None]
-  w = keep.astype(jnp.float32)
-  return jnp.where(keep[..., None], x_LHD, 0.0), w / jnp.maximum(jnp.sum(w, axis=-2, keepdims=True), 1.0)
+  if query_mask is not None:
+    keep = keep & jnp.broadcast_to(query_mask, x_LHD.shape[:-2])[..., None]
+  count = jnp.maximum(jnp.sum(keep.astype(jnp.float32), axis=-2), 1.0)
+  return jnp.where(keep[..., None], x_LHD, 0.0), count
+
+
+def _key_weights(y_LHD, key_mask):
+  """(y with masked and non-finite keys zeroed, per key 1/(unmasked keys) or 0 if masked: [..., Lk]): a mean
+  over keys is a contraction with the weights. A non-finite unmasked key is seen by every row (NaN there)."""
+  w = jnp.ones(y_LHD.shape[:-2], jnp.float32)
+  if key_mask is not None:
+    w = jnp.broadcast_to(key_mask, y_LHD.shape[:-2]).astype(jnp.float32)
+  keep = (w > 0)[..., None, None] & jnp.isfinite(y_LHD)
+  return jnp.where(keep, y_LHD, 0.0), w / jnp.maximum(jnp.sum(w, axis=-1, keepdims=True), 1.0)
 
 
 def oprf_rho(query: Float[Array, "... Lq H D"], key: Float[Array, "... Lk H D"],
@@ -207,21 +217,22 @@ def oprf_rho(query: Float[Array, "... Lq H D"], key: Float[Array, "... Lk H D"],
   padding) and non-finite rows are left out. The mean over all pairs is
   ‖x‖²‾ + ‖y‖²‾ + 2·x̄ᵀȳ, so it costs O(L·d).
   """
-  x, y, wx_LH, wy_LH = _statistic_inputs(query, key, key_mask, query_mask)
-  x_sq, y_sq = (jnp.einsum("...lh,...lh->...h", w, jnp.sum(z * z, -1)) for z, w in ((x, wx_LH), (y, wy_LH)))
-  x_bar, y_bar = (jnp.einsum("...lh,...lhd->...hd", w, z) for z, w in ((x, wx_LH), (y, wy_LH)))
+  x, count_H, y, w_L = _statistic_inputs(query, key, key_mask, query_mask)
+  x_sq = jnp.sum(jnp.sum(x * x, -1), axis=-2) / count_H  # [..., H]
+  x_bar = jnp.sum(x, axis=-3) / count_H[..., None]  # [..., H, D]
+  y_sq = jnp.einsum("...l,...lh->...h", w_L, jnp.sum(y * y, -1))
+  y_bar = jnp.einsum("...l,...lhd->...hd", w_L, y)
   return jnp.maximum(x_sq + y_sq + 2 * jnp.sum(x_bar * y_bar, -1), 0.0) / x.shape[-1]  # ≥ 0 but for rounding
 
 
 def _statistic_inputs(query, key, key_mask, query_mask):
-  """x = q·d^{-1/4} and y = k·d^{-1/4} with their kept rows' weights (``_kept_rows``), inputs checked."""
+  """x = q·d^{-1/4} with its count of kept queries (``_query_rows``), y = k·d^{-1/4} with its keys'
+  weights (``_key_weights``); inputs checked."""
   checks.check_qk(query, key)
   checks.check_lengths(query, key)
   checks.check_key_mask(key_mask, key.shape)
   checks.check_key_mask(query_mask, query.shape, "query_mask")
-  x, wx_LH = _kept_rows(_scaled(query), query_mask)
-  y, wy_LH = _kept_rows(_scaled(key), key_mask)
-  return x, y, wx_LH, wy_LH
+  return (*_query_rows(_scaled(query), query_mask), *_key_weights(_scaled(key), key_mask))
 
 
 def broadcast_rho(rho, query) -> Float[Array, "... H"]:
@@ -393,9 +404,9 @@ def saderf_statistic(query: Float[Array, "... Lq H D"], key: Float[Array, "... L
   non-finite rows are left out. A coordinate that is (nearly) zero in all
   queries or all keys gets a bounded Ψ_l (every Ψ > 0 is unbiased).
   """
-  x, y, wx_LH, wy_LH = _statistic_inputs(query, key, key_mask, query_mask)
-  mx, x_bar = (jnp.einsum("...lh,...lhd->...hd", wx_LH, z) for z in (x * x, x))  # [..., H, D]
-  my, y_bar = (jnp.einsum("...lh,...lhd->...hd", wy_LH, z) for z in (y * y, y))
+  x, count_H, y, w_L = _statistic_inputs(query, key, key_mask, query_mask)
+  mx, x_bar = (jnp.sum(z, axis=-3) / count_H[..., None] for z in (x * x, x))  # [..., H, D]
+  my, y_bar = jnp.einsum("...l,...lhd->...hd", w_L, y * y), jnp.einsum("...l,...lhd->...hd", w_L, y)
   floor = 1e-8 * jnp.mean(mx + my, axis=-1, keepdims=True) + 1e-30
   log_psi = 0.25 * (jnp.log(my + floor) - jnp.log(mx + floor))
   psi_sq = jnp.exp(2.0 * log_psi)
