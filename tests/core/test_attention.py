@@ -238,20 +238,23 @@ def test_padding_reaches_no_real_row_of_a_data_dependent_kernel(name):
   pad = jnp.arange(L)[None, :] < real[:, None]
   junk = lambda x, fill: jnp.where(pad[..., None, None], x, fill)
   q_pad, k_pad = junk(q, 50.0).at[0, -1].set(jnp.nan), junk(k, -50.0).at[1, -2].set(jnp.nan)
-  kern, masks = kernels.KERNELS[name], dict(key_mask=pad, query_mask=pad)
-  stat = kern.compute_statistic(q_pad, k_pad, pad, pad)
-  padded = {"favor": core.favor_attention(q_pad, k_pad, v, proj, kernel=name, **masks),
-            "hybrid": core.hybrid_attention(q_pad, k_pad, v, proj, window=3, kernel=name, **masks)}
-  weights = core.attention_weights(q_pad, k_pad, proj, kernel=name, **masks)
+  kern = kernels.KERNELS[name]
+
+  def four(q, k, v, mask=None):  # the statistic, favor_attention, hybrid_attention, attention_weights
+    masks = {} if mask is None else dict(key_mask=mask, query_mask=mask)
+    return (kern.compute_statistic(q, k, mask, mask), core.favor_attention(q, k, v, proj, kernel=name, **masks),
+            core.hybrid_attention(q, k, v, proj, window=3, kernel=name, **masks),
+            core.attention_weights(q, k, proj, kernel=name, **masks))
+
+  four = jax.jit(four)  # one program per shape (op by op, this test took 45 s)
+  stat, *padded = four(q_pad, k_pad, v, pad)
   for b, n in enumerate(np.asarray(real)):
     one = lambda x: x[b:b + 1, :n]
-    np.testing.assert_allclose(stat[b], kern.compute_statistic(one(q), one(k))[0], rtol=1e-5)
-    np.testing.assert_allclose(padded["favor"][b, :n], core.favor_attention(one(q), one(k), one(v), proj,
-                                                                             kernel=name)[0], rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(padded["hybrid"][b, :n], core.hybrid_attention(
-        one(q), one(k), one(v), proj, window=3, kernel=name)[0], rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(weights[b, :, :n, :n], core.attention_weights(one(q), one(k), proj,
-                                                                             kernel=name)[0], rtol=1e-5, atol=1e-6)
+    want_stat, *want = four(one(q), one(k), one(v))  # the unpadded sequence, no masks
+    np.testing.assert_allclose(stat[b], want_stat[0], rtol=1e-5)
+    for got, ref, what in zip(padded, want, ("favor", "hybrid", "weights")):
+      got = got[b, :n] if what != "weights" else got[b, :, :n, :n]
+      np.testing.assert_allclose(got, ref[0], rtol=1e-5, atol=1e-6, err_msg=what)
     if name == "optimal_positive":
       x, y = (np.float64(z[b, :n]) * D ** -0.25 for z in (q, k))  # [n, H, D]
       pairs = np.sum((x[:, None] + y[None, :]) ** 2, -1) / D  # [n, n, H]
@@ -259,7 +262,7 @@ def test_padding_reaches_no_real_row_of_a_data_dependent_kernel(name):
   # Without query_mask the padded queries count (their 50s dominate ρ), as documented: not the real rows'.
   assert not np.allclose(kern.compute_statistic(junk(q, 50.0), k_pad, pad), stat, rtol=1e-2)
   # An unmasked NaN query is NaN in its own row only (the statistic leaves it out), as in exact attention.
-  bad = core.favor_attention(q.at[0, 3, 1, 2].set(jnp.nan), k, v, proj, kernel=name)
+  bad = jax.jit(functools.partial(core.favor_attention, kernel=name))(q.at[0, 3, 1, 2].set(jnp.nan), k, v, proj)
   want = np.zeros(bad.shape[:-1], bool)
   want[0, 3, 1] = True
   np.testing.assert_array_equal(np.isnan(bad).any(-1), want)
@@ -277,15 +280,17 @@ def test_a_user_feature_map_never_sees_a_masked_key():
   mask = jnp.broadcast_to(jnp.arange(L) < keep, (B, L))
   k = k.at[:, keep:].multiply(40.0)
   cut = lambda x: x[:, :keep]
-  for causal in (False, True):
-    got = core.favor_attention(q, k, v, proj, kernel=user_map, key_mask=mask, causal=causal)[:, :keep]
-    want = core.favor_attention(cut(q), cut(k), cut(v), proj, kernel=user_map, causal=causal)
-    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=f"causal={causal}")
-  got = core.hybrid_attention(q, k, v, proj, window=4, kernel=user_map, key_mask=mask)[:, :keep]
-  np.testing.assert_allclose(got, core.hybrid_attention(cut(q), cut(k), cut(v), proj, window=4, kernel=user_map),
-                             atol=1e-5)
-  weights = core.attention_weights(q, k, proj, kernel=user_map, key_mask=mask)[..., :keep, :keep]
-  np.testing.assert_allclose(weights, core.attention_weights(cut(q), cut(k), proj, kernel=user_map), atol=1e-6)
+
+  @jax.jit  # one program per shape
+  def four(q, k, v, mask=None):  # favor_attention both ways, hybrid_attention, attention_weights
+    return (*(core.favor_attention(q, k, v, proj, kernel=user_map, key_mask=mask, causal=c) for c in (False, True)),
+            core.hybrid_attention(q, k, v, proj, window=4, kernel=user_map, key_mask=mask),
+            core.attention_weights(q, k, proj, kernel=user_map, key_mask=mask))
+
+  for got, want, what in zip(four(q, k, v, mask), four(cut(q), cut(k), cut(v)),
+                             ("bidirectional", "causal", "hybrid", "weights")):
+    got = got[..., :keep, :keep] if what == "weights" else cut(got)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 if what != "weights" else 1e-6, err_msg=what)
 
 
 def test_all_masked_row_gives_zero_not_nan():
