@@ -26,6 +26,7 @@ import numpy as np
 import optax
 
 from experiments import models, plotting, tasks, training
+from experiments.configs import common
 from favor_jax import core, layers
 
 
@@ -56,9 +57,9 @@ def check_study(config) -> None:
     tasks.positive_int("config.features", f)
   if not config.fit_lr > 0:
     raise ValueError(f"config.fit_lr must be > 0, got {config.fit_lr!r}")
-  mesh = config.model.mesh
-  cluster = {k: mesh[k] for k in ("distributed", "coordinator_address", "num_processes", "process_id")}
-  if cluster != {"distributed": False, "coordinator_address": "", "num_processes": 0, "process_id": -1}:
+  cluster = common.cluster_fields(config.model.mesh)
+  if config.model.mesh.distributed or cluster:
+    cluster = {"distributed": config.model.mesh.distributed, **cluster}
     raise ValueError(f"model.mesh asks for a multi-process cluster ({cluster}), but this study runs in one "
                      "process (its measurements gather every array on it): train the model with a training "
                      "config on the cluster and give its run directory as config.model_dir")

@@ -133,8 +133,7 @@ def cluster_arguments(mesh) -> dict:
   """``jax.distributed.initialize``'s arguments from ``mesh``'s cluster fields, the set ones (the rest are
   detected from the environment); a ValueError for a bad value, or one set without ``mesh.distributed``."""
   address, count, index = (mesh.get(k) for k in ("coordinator_address", "num_processes", "process_id"))
-  given = {k: v for k, v in (("coordinator_address", address or None), ("num_processes", count or None),
-                             ("process_id", None if index in (None, -1) else index)) if v is not None}
+  given = common.cluster_fields(mesh)
   if given and not mesh.distributed:
     named = ", ".join(f"mesh.{k}={v!r}" for k, v in given.items())
     raise ValueError(f"{named} describe a multi-process cluster, but mesh.distributed is False: "

@@ -58,6 +58,14 @@ def favor_variant(kernel: str, **attention) -> dict:
   return {"attention.type": "favor", "attention.kernel": kernel, **{f"attention.{k}": v for k, v in attention.items()}}
 
 
+def cluster_fields(mesh) -> dict:
+  """``mesh``'s cluster fields that are set (coordinator_address, num_processes, process_id), the others
+  being left to auto-detection."""
+  address, count, index = (mesh.get(k) for k in ("coordinator_address", "num_processes", "process_id"))
+  return {k: v for k, v in (("coordinator_address", address or None), ("num_processes", count or None),
+                            ("process_id", None if index in (None, -1) else index)) if v is not None}
+
+
 def selected_variants(config) -> list[tuple[str, dict]]:
   """``config.variants`` filtered by ``config.only`` (names checked); no variants = one run named "run"."""
   variants = list(config.variants) or [("run", {})]

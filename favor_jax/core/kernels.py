@@ -480,7 +480,7 @@ KERNELS = {k.name: k for k in (positive, hyperbolic, trigonometric, optimal_posi
 
 
 def data_dependent_names() -> list[str]:
-  """The names in ``KERNELS`` whose records take a statistic of the data (for messages)."""
+  """The names in ``KERNELS`` whose records take a statistic of the data."""
   return sorted(name for name, kernel in KERNELS.items() if kernel.data_dependent)
 
 

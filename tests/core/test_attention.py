@@ -224,10 +224,7 @@ def test_key_mask_equals_truncated_sequence(name, maybe_jit):
   np.testing.assert_allclose(masked, truncated, rtol=1e-5, atol=1e-6)
 
 
-DATA_DEPENDENT = [n for n, k in sorted(kernels.KERNELS.items()) if k.data_dependent]
-
-
-@pytest.mark.parametrize("name", DATA_DEPENDENT)
+@pytest.mark.parametrize("name", kernels.data_dependent_names())
 def test_padding_reaches_no_real_row_of_a_data_dependent_kernel(name):
   """Padded self-attention, its padding mask given as key_mask and query_mask: the real rows are those of
   the unpadded sequence (the statistic averages over real queries and keys alone), whatever the padding
@@ -246,7 +243,7 @@ def test_padding_reaches_no_real_row_of_a_data_dependent_kernel(name):
             core.hybrid_attention(q, k, v, proj, window=3, kernel=name, **masks),
             core.attention_weights(q, k, proj, kernel=name, **masks))
 
-  four = jax.jit(four)  # one program per shape (op by op, this test took 45 s)
+  four = jax.jit(four)  # one program per shape
   stat, *padded = four(q_pad, k_pad, v, pad)
   for b, n in enumerate(np.asarray(real)):
     one = lambda x: x[b:b + 1, :n]

@@ -440,7 +440,7 @@ def test_padded_self_attention_of_a_data_dependent_kernel_gives_the_unpadded_row
   x = _x()
   padded = x.at[:, real:].set(40.0)
   mask = jnp.broadcast_to(jnp.arange(L) < real, (B, L))[:, None, None, :]
-  for kernel in ("optimal_positive", "saderf"):
+  for kernel in core.kernels.data_dependent_names():
     if api == "linen":
       layer = flin.FavorAttention(num_heads=H, num_features=M, kernel=kernel)
       variables, apply = _init(layer, x), jax.jit(layer.apply)
