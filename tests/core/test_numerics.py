@@ -105,17 +105,25 @@ def test_every_causal_method_equals_the_explicit_form_at_every_scale(name, dtype
             assert not np.any(np.all(got == 0, -1) & ~np.all(want == 0, -1)), (scale, method, chunk)
 
 
-@pytest.mark.parametrize("name", ["positive", "hyperbolic", "optimal_positive", "relu"])
-def test_bidirectional_equals_the_explicit_form_at_every_scale(name):
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("name", sorted(kernels.KERNELS))
+def test_bidirectional_equals_the_explicit_form_at_every_scale(name, dtype):
   q0, k0, v = _qkv()
-  proj = _proj()
+  proj = _proj(name=name)
   for scale in SCALES:
-    q, k = scale * q0, scale * k0
-    for mask in (jnp.ones((B, L), bool), _mask()):
+    if name == "trigonometric" and scale > 4:
+      continue  # as in the causal test: f32 sines of arguments ~10² are noise
+    q, k, vv = (x.astype(dtype) for x in (scale * q0, scale * k0, v))
+    for masked in (False, True):
+      mask = _mask() if masked else jnp.ones((B, L), bool)
       rho = _rho(name, q, k, mask)
-      want, _ = explicit(name, q, k, v, proj, rho, mask, causal=False)
-      got = _favor(name, False, "chunked", 64)(q, k, v, proj, rho, mask)
-      np.testing.assert_allclose(got, want, atol=1e-5 * scale ** 2 * 10, err_msg=f"scale {scale}")
+      want, cond = explicit(name, q, k, vv, proj, rho, mask, causal=False)
+      rows = cond < 10  # trigonometric rows whose denominator cancels are ill-posed in any precision
+      got = np.asarray(_favor(name, False, "chunked", 64)(q, k, vv, proj, rho, mask), np.float64)
+      err = np.max(np.abs(got - want)[rows])
+      assert err <= _tolerance(dtype, scale) * 10 * np.max(np.abs(want)), f"scale {scale} masked {masked}: {err}"
+      if name != "trigonometric":  # a zero row where the reference is not zero is the silent failure
+        assert not np.any(np.all(got == 0, -1) & ~np.all(want == 0, -1)), (scale, masked)
 
 
 def test_chunked_gradients_equal_scan_gradients_at_large_scale():
