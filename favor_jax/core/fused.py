@@ -46,7 +46,7 @@ class Blocks(NamedTuple):
   block_f: int
   num_warps: int
   interpret: bool
-  operands: str = "float32"  # the inputs' dtype; below float32, products of features take it (see _dot)
+  operands: str = "float32"  # "bfloat16" for bfloat16 inputs: products of features take it (see _dot)
 
 
 def _pow2(n: int, least: int = 16) -> int:
@@ -59,9 +59,10 @@ def _safe(x):
 
 
 def _dot(a, b, blocks, trans_a=False, trans_b=False, state=False):
-  """A matrix product, accumulated in float32. Float32 inputs: full float32 operands. Half-precision
-  inputs: products of features, values and cotangents take the inputs' dtype (tensor cores); products
-  with a float32 state (large dynamic range) take float32 operands at TF32 on a GPU."""
+  """A matrix product, accumulated in float32. Float32 and float16 inputs: full float32 operands.
+  Bfloat16 inputs: products of features, values and cotangents take bfloat16 (tensor cores); products
+  with a float32 state (large dynamic range) take float32 operands at TF32 on a GPU. Never float16:
+  features span e^{−SAFE_GAP}..1 and float16 flushes below e^{−17} (a row's own terms would vanish)."""
   if blocks.operands == "float32":
     return plgpu.dot(a, b, trans_a, trans_b, precision=jax.lax.Precision.HIGHEST)
   if state:
@@ -336,7 +337,7 @@ def causal(feature_fn, q, k, v, mask, *, chunk_size: int = 64, blocks: Blocks | 
   dv = v.shape[-1]
   padded, fp, ep = -(-length // blocks.chunk) * blocks.chunk, _pow2(f), _pow2(dv)
   bf = min(blocks.block_f, fp)
-  operands = jnp.dtype(q.dtype).name if jnp.dtype(q.dtype).itemsize < 4 else "float32"
+  operands = "bfloat16" if q.dtype == jnp.bfloat16 else "float32"  # float16's range is too short: see _dot
   blocks = blocks._replace(block_f=bf, operands=operands)
 
   def rows(x, value, width):  # [N, H, L, W] -> [N·H, padded, width]
