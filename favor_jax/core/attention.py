@@ -208,7 +208,7 @@ def hybrid_attention(
   Masks, non-finite inputs, ``rho`` and ``query_mask`` behave as in :func:`favor_attention`.
   """
   shared.validate(query, key, value, key_mask, causal, query_mask=query_mask)
-  checks.check_causal_lengths(query, key)
+  checks.check_causal_lengths(query, key, "hybrid attention (its window is positions t − j, causal or not)")
   window = checks.check_window(window)
   chunk_size = checks.check_chunk_size(chunk_size)
   if window == 0:

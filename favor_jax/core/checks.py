@@ -89,10 +89,11 @@ def check_lengths(query, key) -> None:
       raise ValueError(f"{name} has length 0 (shape {x.shape}); attention needs at least one position")
 
 
-def check_causal_lengths(query, key) -> None:
+def check_causal_lengths(query, key, what: str = "causal attention") -> None:
+  """Lq = Lk where query t and key t share a position (``what`` says who needs it)."""
   if query.shape[-3] != key.shape[-3]:
     raise ValueError(
-        f"causal attention needs equal query and key lengths, got Lq={query.shape[-3]} "
+        f"{what} needs equal query and key lengths, got Lq={query.shape[-3]} "
         f"(query shape {query.shape}) and Lk={key.shape[-3]} (key shape {key.shape})")
 
 

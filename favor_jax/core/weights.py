@@ -75,7 +75,7 @@ def attention_weights(
   checks.check_key_mask(query_mask, query.shape, "query_mask")
   window = checks.check_window(window)
   if causal or window:
-    checks.check_causal_lengths(query, key)
+    checks.check_causal_lengths(query, key, "causal attention" if causal else "a window (positions t − j)")
   batch = query.shape[:-3]
   mask = shared.mask_NL(key_mask, key)
   q, k = (shared.flatten(x, batch).astype(jnp.float32) for x in (query, key))

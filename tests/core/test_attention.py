@@ -494,6 +494,11 @@ def test_bad_inputs_raise_clear_errors():
     fa(q, k, v[:, :30], p)
   with pytest.raises(ValueError, match=r"causal attention needs equal query and key lengths, got Lq=5"):
     fa(q[:, :5], k, v, p, causal=True)
+  # A window is positions t − j, causal or not: its refusal says so (it once blamed causality when causal=False).
+  with pytest.raises(ValueError, match=r"hybrid attention \(its window is positions t − j.*got Lq=5"):
+    core.hybrid_attention(q[:, :5], k, v, p, window=3)
+  with pytest.raises(ValueError, match=r"a window \(positions t − j\) needs equal query and key lengths, got Lq=5"):
+    core.attention_weights(q[:, :5], k, p, window=3)
   with pytest.raises(ValueError, match=r"key_mask must have shape \(2, 37\).*\(2, 36\)"):
     fa(q, k, v, p, key_mask=jnp.ones((2, 36), bool))
   with pytest.raises(TypeError, match="key_mask must be a boolean"):
