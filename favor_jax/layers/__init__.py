@@ -169,12 +169,16 @@ def key_mask_from_flax(mask, key) -> Array | None:
   return jnp.broadcast_to(mask[..., 0, 0, :].astype(bool), batch + (lk,))
 
 
-def padding_masks(mask, inputs_q, inputs_k, key) -> tuple[Array | None, Array | None]:
-  """(key_mask, query_mask) of a Flax ``mask`` (``key_mask_from_flax``). In self-attention (keys from the
-  queries' input: ``inputs_k is inputs_q`` after ``check_inputs``) the key padding is the queries' padding
-  too: a data-dependent kernel's statistic leaves those queries out, so the real rows do not depend on how
-  much padding follows. Cross-attention: no query mask."""
+def padding_masks(mask, inputs_q, inputs_k, key, query_mask=None, query=None) -> tuple[Array | None, Array | None]:
+  """(key_mask, query_mask) of a Flax ``mask`` (``key_mask_from_flax``) and the call's ``query_mask``
+  [batch..., Lq] (False: a padded query; checked against ``query``). Not given: in self-attention (keys from
+  the queries' input: ``inputs_k is inputs_q`` after ``check_inputs``) the key padding is the queries'
+  padding too; in cross-attention every query counts. A data-dependent kernel's statistic leaves the padded
+  queries out, so the real rows do not depend on how much padding follows."""
   key_mask = key_mask_from_flax(mask, key)
+  if query_mask is not None:
+    core.checks.check_key_mask(query_mask, query.shape, "query_mask")
+    return key_mask, jnp.broadcast_to(jnp.asarray(query_mask, bool), query.shape[:-2])
   return key_mask, (key_mask if inputs_k is inputs_q else None)
 
 

@@ -90,6 +90,10 @@ class FavorAttention(nn.MultiHeadDotProductAttention):
     ``normalize_qk``) before the features, e.g. rotary embeddings; not with decode.
   - ``mesh``, ``sequence_axis``, ``batch_axis``: the sequence split over ``sequence_axis`` of ``mesh``
     (``parallel.sequence_parallel_attention``; the batch over ``batch_axis``); not with decode or a window.
+
+  The call takes Flax's arguments (``mask``: key padding only, [batch..., 1, 1, Lk]) and ``query_mask``
+  [batch..., Lq] (False: a padded query), which FAVOR++'s and FAVOR#'s statistic leaves out. In
+  self-attention it defaults to the key padding; pass it in padded cross-attention.
   """
   num_features: int | None = None
   kernel: str = "positive"
@@ -122,7 +126,7 @@ class FavorAttention(nn.MultiHeadDotProductAttention):
 
   @nn.compact
   def __call__(self, inputs_q, inputs_k=None, inputs_v=None, *, mask=None, deterministic=None,
-               dropout_rng=None, sow_weights=False):
+               dropout_rng=None, sow_weights=False, query_mask=None):
     del dropout_rng
     self._check_config()
     if sow_weights:
@@ -148,7 +152,7 @@ class FavorAttention(nn.MultiHeadDotProductAttention):
     projection = self._projection(qk_dim)
 
     deterministic = layers.resolve_deterministic(self.dropout_rate, self.deterministic, deterministic)
-    key_mask, query_mask = layers.padding_masks(mask, inputs_q, inputs_k, key)
+    key_mask, query_mask = layers.padding_masks(mask, inputs_q, inputs_k, key, query_mask, query)
     rho = self._running_statistic(query, key, key_mask, query_mask, train=not deterministic)
     attend = dict(kernel=self.kernel, key_mask=key_mask, rho=rho, chunk_size=self.chunk_size)
     with layers.precision_scope(self.precision):

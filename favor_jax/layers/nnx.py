@@ -2,7 +2,9 @@
 
 Subclasses Flax's module, so constructor arguments and parameter names are
 Flax's own; adds ``num_features``, ``kernel``, ``projection``,
-``per_head_projection``, ``window``, ``qk_head_dim``, ``causal``, ``qk_transform`` and the mesh.
+``per_head_projection``, ``window``, ``qk_head_dim``, ``causal``, ``qk_transform`` and the mesh; its call
+adds ``query_mask`` [batch..., Lq] (False: a padded query, left out of FAVOR++'s and FAVOR#'s statistic;
+self-attention: the key padding of ``mask``; give it in padded cross-attention).
 A random projection is a :class:`FavorProjection` variable (not an
 ``nnx.Param``: optimizers built on ``nnx.Param`` never touch it; it is saved
 with the state). A learned kernel's map (``hedgehog``) is the ``nnx.Param``
@@ -176,7 +178,8 @@ class FavorAttention(nnx.MultiHeadAttention):
     self.decode_state = nnx.data(None)
 
   def __call__(self, inputs_q, inputs_k=None, inputs_v=None, *, mask=None, deterministic=None,
-               rngs=None, sow_weights=False, decode=None, is_causal=False, out_sharding=None, qkv_sharding=None):
+               rngs=None, sow_weights=False, decode=None, is_causal=False, out_sharding=None, qkv_sharding=None,
+               query_mask=None):
     del rngs
     if sow_weights:
       raise ValueError("sow_weights is not supported: FAVOR attention never forms attention weights")
@@ -197,7 +200,7 @@ class FavorAttention(nnx.MultiHeadAttention):
     query, key = layers.transform_qk(self.qk_transform, query, key)
 
     deterministic = layers.resolve_deterministic(self.dropout_rate, self.deterministic, deterministic)
-    key_mask, query_mask = layers.padding_masks(mask, inputs_q, inputs_k, key)
+    key_mask, query_mask = layers.padding_masks(mask, inputs_q, inputs_k, key, query_mask, query)
     rho = None
     if self.statistic is not None:
       rho = self.statistic.get_value()

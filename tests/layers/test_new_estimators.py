@@ -462,6 +462,35 @@ def test_padded_self_attention_of_a_data_dependent_kernel_gives_the_unpadded_row
   np.testing.assert_allclose(stat, want, rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.parametrize("api", sorted(RUN))
+def test_padded_cross_attention_takes_the_query_padding_as_query_mask(api):
+  """Cross-attention: the keys' padding comes in ``mask``, the queries' in ``query_mask``; the real rows of
+  a bidirectional FAVOR++/FAVOR# layer then equal those of the unpadded queries and keys (without
+  ``query_mask`` the padded queries' junk enters the statistic, as the first check shows). A bad
+  ``query_mask`` is refused by name."""
+  real_q, real_k = 5, 7
+  xq, xk = _x(length=12), _x(seed=3)  # 12 queries, 9 keys
+  padded_q, padded_k = xq.at[:, real_q:].set(40.0), xk.at[:, real_k:].set(-40.0)
+  key_mask = jnp.broadcast_to(jnp.arange(9) < real_k, (B, 9))[:, None, None, :]
+  query_mask = jnp.broadcast_to(jnp.arange(12) < real_q, (B, 12))
+  for kernel in core.kernels.data_dependent_names():
+    if api == "linen":
+      layer = flin.FavorAttention(num_heads=H, num_features=M, kernel=kernel)
+      variables = layer.init(jax.random.PRNGKey(0), xq, xk)
+      call = jax.jit(lambda *a, **kw: layer.apply(variables, *a, **kw))
+    else:
+      call = _nnx_layer(kernel, num_features=M)
+    want = call(xq[:, :real_q], xk[:, :real_k])
+    unmasked = call(padded_q, padded_k, mask=key_mask)
+    assert not np.allclose(unmasked[:, :real_q], want, atol=1e-3), kernel
+    got = call(padded_q, padded_k, mask=key_mask, query_mask=query_mask)
+    np.testing.assert_allclose(got[:, :real_q], want, atol=1e-5, err_msg=kernel)
+  with pytest.raises(ValueError, match=r"query_mask must have shape \(2, 12\)"):
+    call(padded_q, padded_k, mask=key_mask, query_mask=query_mask[:, :9])
+  with pytest.raises(TypeError, match="query_mask must be a boolean array"):
+    call(padded_q, padded_k, mask=key_mask, query_mask=query_mask.astype(jnp.int32))
+
+
 # --- Hedgehog distillation ---------------------------------------------------------------------------
 
 def _weights_reference(q, k, w):
