@@ -59,9 +59,10 @@ def _safe(x):
 
 
 def _dot(a, b, blocks, trans_a=False, trans_b=False, state=False):
-  """A matrix product, accumulated in float32. Float32 and float16 inputs: full float32 operands.
-  Bfloat16 inputs: products of features, values and cotangents take bfloat16 (tensor cores); products
-  with a float32 state (large dynamic range) take float32 operands at TF32 on a GPU. Never float16:
+  """A matrix product, accumulated in float32. Float32 and float16 inputs (or mixed): full float32
+  operands. Bfloat16 inputs (all of q, k, v): products of features, values and cotangents take bfloat16
+  (tensor cores); products with a float32 state (large dynamic range) take float32 operands at TF32 on a
+  GPU. Never float16:
   features span e^{−SAFE_GAP}..1 and float16 flushes below e^{−17} (a row's own terms would vanish)."""
   if blocks.operands == "float32":
     return plgpu.dot(a, b, trans_a, trans_b, precision=jax.lax.Precision.HIGHEST)
@@ -337,7 +338,9 @@ def causal(feature_fn, q, k, v, mask, *, chunk_size: int = 64, blocks: Blocks | 
   dv = v.shape[-1]
   padded, fp, ep = -(-length // blocks.chunk) * blocks.chunk, _pow2(f), _pow2(dv)
   bf = min(blocks.block_f, fp)
-  operands = "bfloat16" if q.dtype == jnp.bfloat16 else "float32"  # float16's range is too short: see _dot
+  # Bfloat16 operands only where the output is bfloat16 (every input is): a float32 value or key must not be
+  # rounded to bfloat16 inside. Float16's range is too short: see _dot.
+  operands = "bfloat16" if jnp.result_type(q, k, v) == jnp.bfloat16 else "float32"
   blocks = blocks._replace(block_f=bf, operands=operands)
 
   def rows(x, value, width):  # [N, H, L, W] -> [N·H, padded, width]

@@ -125,6 +125,18 @@ def test_half_precision_inputs_stay_within_their_rounding_of_the_explicit_form(d
   assert not np.any(np.all(got == 0, -1) & ~np.all(want == 0, -1))  # no silent zero row
 
 
+def test_mixed_dtypes_keep_the_float32_inputs_exact():
+  """A bfloat16 query with float32 keys and values gives a float32 output, computed in float32: as exact
+  as the XLA pass (the kernels once rounded the float32 values to bfloat16 because the query was)."""
+  q, k, v, mask = _inputs()
+  proj, _ = _params("positive", q, k, mask)
+  q = q.astype(jnp.bfloat16)
+  got = core.favor_attention(q, k, v, proj, causal=True, key_mask=mask, causal_method="pallas", chunk_size=16)
+  assert got.dtype == jnp.float32
+  want, _ = explicit("positive", q.astype(jnp.float32), k, v, proj, None, mask, causal=True)
+  assert np.max(np.abs(np.asarray(got, np.float64) - want)) < 1e-5 * np.max(np.abs(want))
+
+
 @pytest.mark.parametrize("name", ["positive", "hedgehog"])
 def test_gradients_at_x4_and_x20_in_float32_and_bfloat16_match_the_scan(name):
   """Gradients of q, k, v and the feature parameters where the fused pass keeps its chunk (×4) and where it
