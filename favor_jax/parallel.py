@@ -44,7 +44,7 @@ def sequence_parallel_attention(
     query: Float[Array, "... L H D"],
     key: Float[Array, "... L H D"],
     value: Float[Array, "... L H Dv"],
-    projection: Float[Array, "M D"] | None,
+    projection: Float[Array, "M D"] | Float[Array, "H M D"] | None,
     *,
     mesh: Mesh,
     axis_name: str,

@@ -104,7 +104,7 @@ def favor_attention(
     query: Float[Array, "... Lq H D"],
     key: Float[Array, "... Lk H D"],
     value: Float[Array, "... Lk H Dv"],
-    projection: Float[Array, "M D"] | None,
+    projection: Float[Array, "M D"] | Float[Array, "H M D"] | None,
     *,
     kernel="positive",
     causal: bool = False,

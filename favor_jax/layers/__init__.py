@@ -61,7 +61,8 @@ def check_favor_args(*, num_features, kernel, projection, causal, decode, window
                      qk_head_dim=None, causal_method="auto") -> None:
   """The checks every FavorAttention layer (Linen and NNX) makes of its FAVOR arguments."""
   core.get_kernel(kernel)
-  check_causal_method(causal_method, "window > 0 (hybrid attention)" if window else None)
+  check_causal_method(causal_method, "window > 0 (hybrid attention)" if window else (
+      "decode=True (a prompt runs the chunked pass, a token one recurrence step)" if decode else None))
   role = projection_role(kernel)
   _check_optional_size("num_features", num_features)
   if projection is not None and projection not in PROJECTIONS:
@@ -357,8 +358,8 @@ def attend(query, key, value, projection, *, window: int = 0, causal_method: str
 
 
 def check_causal_method(causal_method, only_chunked_because: str | None = None) -> None:
-  """A known causal method; where only the XLA chunked pass runs (hybrid, sequence-parallel), "auto" or
-  "chunked" only: another choice would be ignored there."""
+  """A known causal method; where only the XLA chunked pass runs (hybrid, sequence-parallel, decoding),
+  "auto" or "chunked" only: another choice would be ignored there."""
   core.checks.check_causal_method(causal_method, causal_lib.CAUSAL_METHODS)
   if only_chunked_because and causal_method not in ("auto", "chunked"):
     raise ValueError(f"causal_method={causal_method!r} cannot apply with {only_chunked_because}, which runs the "

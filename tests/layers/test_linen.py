@@ -174,6 +174,10 @@ def test_bad_configurations_and_inputs():
   x = _x()
   with pytest.raises(ValueError, match="causal attention needs equal query and key lengths"):
     flin.FavorAttention(num_heads=H, num_features=8, causal=True).init(jax.random.PRNGKey(0), x, x[:, :5])
+  for method in ("scan", "cumsum", "pallas"):  # decoding runs the chunked pass and one-step recurrences only
+    with pytest.raises(ValueError, match=f"causal_method='{method}' cannot apply with decode=True"):
+      flin.FavorAttention(num_heads=H, num_features=8, causal=True, decode=True, causal_method=method).init(
+          jax.random.PRNGKey(0), x)
   with pytest.raises(ValueError, match="only key-padding masks"):
     flin.FavorAttention(num_heads=H, num_features=8).init(jax.random.PRNGKey(0), x,
                                                           mask=nn.make_causal_mask(jnp.ones((B, L))))

@@ -136,5 +136,12 @@ def test_bad_configurations():
     layer(_x()[:, :1], decode=True)
   with pytest.raises(ValueError, match="causal attention needs equal query and key lengths"):
     layer(_x(), _x()[:, :4])
+  with pytest.raises(ValueError, match="causal_method='scan' cannot apply with decode=True"):
+    fnnx.FavorAttention(H, F, causal=True, decode=True, causal_method="scan", num_features=8, rngs=nnx.Rngs(0))
+  scan_layer = fnnx.FavorAttention(H, F, causal=True, decode=False, causal_method="scan", num_features=8,
+                                   rngs=nnx.Rngs(0))
+  scan_layer.init_cache((B, 4, F))
+  with pytest.raises(ValueError, match="causal_method='scan' cannot apply with decode=True"):
+    scan_layer(_x()[:, :1], decode=True)  # decode asked for at call time
   with pytest.raises(ValueError, match="attention dropout"):
     fnnx.FavorAttention(H, F, dropout_rate=0.1, decode=False, rngs=nnx.Rngs(0))(_x(), deterministic=False)
