@@ -62,8 +62,8 @@ def _dot(a, b, blocks, trans_a=False, trans_b=False, state=False):
   """A matrix product, accumulated in float32. Float32 and float16 inputs (or mixed): full float32
   operands. Bfloat16 inputs (all of q, k, v): products of features, values and cotangents take bfloat16
   (tensor cores); products with a float32 state (large dynamic range) take float32 operands at TF32 on a
-  GPU. Never float16:
-  features span e^{−SAFE_GAP}..1 and float16 flushes below e^{−17} (a row's own terms would vanish)."""
+  GPU. Never float16: features span e^{−SAFE_GAP}..1 and float16 flushes below e^{−17} (a row's own terms
+  would vanish)."""
   if blocks.operands == "float32":
     return plgpu.dot(a, b, trans_a, trans_b, precision=jax.lax.Precision.HIGHEST)
   if state:

@@ -57,12 +57,16 @@ def _check_optional_size(name, value) -> None:
     raise ValueError(f"{name} must be a positive int or None, got {value!r}")
 
 
+# Why decoding honours "auto" and "chunked" only (``check_causal_method``; NNX also asks at call time).
+DECODE_RUNS_CHUNKED = "decode=True (a prompt runs the chunked pass, a token one recurrence step)"
+
+
 def check_favor_args(*, num_features, kernel, projection, causal, decode, window=0, per_head_projection=None,
                      qk_head_dim=None, causal_method="auto") -> None:
   """The checks every FavorAttention layer (Linen and NNX) makes of its FAVOR arguments."""
   core.get_kernel(kernel)
   check_causal_method(causal_method, "window > 0 (hybrid attention)" if window else (
-      "decode=True (a prompt runs the chunked pass, a token one recurrence step)" if decode else None))
+      DECODE_RUNS_CHUNKED if decode else None))
   role = projection_role(kernel)
   _check_optional_size("num_features", num_features)
   if projection is not None and projection not in PROJECTIONS:
@@ -179,7 +183,7 @@ def padding_masks(mask, inputs_q, inputs_k, key, query_mask=None, query=None) ->
   key_mask = key_mask_from_flax(mask, key)
   if query_mask is not None:
     core.checks.check_key_mask(query_mask, query.shape, "query_mask")
-    return key_mask, jnp.broadcast_to(jnp.asarray(query_mask, bool), query.shape[:-2])
+    return key_mask, jnp.broadcast_to(query_mask, query.shape[:-2])
   return key_mask, (key_mask if inputs_k is inputs_q else None)
 
 

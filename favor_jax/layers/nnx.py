@@ -215,8 +215,7 @@ class FavorAttention(nnx.MultiHeadAttention):
       if decode:
         layers.check_sequence_parallel(self.mesh, self.sequence_axis, causal_method=self.causal_method,
                                        decode=True, window=self.window)  # decode asked for at call time
-        layers.check_causal_method(self.causal_method, "decode=True (a prompt runs the chunked pass, a token "
-                                   "one recurrence step)")
+        layers.check_causal_method(self.causal_method, layers.DECODE_RUNS_CHUNKED)
         if self.decode_state is None:
           raise ValueError("decode=True needs the recurrent state: call init_cache(input_shape) first")
         state, x = core.favor_decode_step(self.decode_state.get_value(), query, key, value, projection,
