@@ -59,6 +59,7 @@ def _extra(name, causal):
 
 # --- exactness given features -------------------------------------------------------------
 
+@pytest.mark.eager_for(causal=True, method="chunked")
 @pytest.mark.parametrize("causal,method", [(False, "chunked")] + [(True, m) for m in METHODS])
 def test_linear_attention_equals_explicit_quadratic_form(causal, method, maybe_jit):
   q, k, v = _qkv()
@@ -71,6 +72,7 @@ def test_linear_attention_equals_explicit_quadratic_form(causal, method, maybe_j
   np.testing.assert_allclose(out, _explicit(qf, kf, v, causal, mask), rtol=2e-5, atol=2e-5)
 
 
+@pytest.mark.eager_for(name="positive")
 @pytest.mark.parametrize("name", ALL_KERNELS)
 @pytest.mark.parametrize("causal", [False, True])
 def test_favor_equals_linear_attention_on_raw_features(name, causal, maybe_jit):
@@ -97,7 +99,7 @@ def test_chunked_with_several_scan_blocks_matches_cumsum():
 
 
 @pytest.mark.parametrize("name", ["positive", "trigonometric", "optimal_positive", "relu"])
-def test_bidirectional_blocks_equal_one_block(name, monkeypatch, maybe_jit):
+def test_bidirectional_blocks_equal_one_block(name, monkeypatch):
   # Keys folded block by block (rescaled as the per-feature max grows) and queries read block by
   # block give the explicit quadratic form: 37 keys in blocks of 8 (+5), 19 queries (+3), a key
   # mask that empties a whole block (its max is −∞) — outputs and gradients.
@@ -112,7 +114,7 @@ def test_bidirectional_blocks_equal_one_block(name, monkeypatch, maybe_jit):
 
   def run(block):  # a fresh function per block size: jit must not reuse the other trace
     monkeypatch.setattr(shared, "BLOCK", block)
-    fn = maybe_jit(lambda q, k, v, m: core.favor_attention(q, k, v, proj, kernel=name, key_mask=m))
+    fn = jax.jit(lambda q, k, v, m: core.favor_attention(q, k, v, proj, kernel=name, key_mask=m))
     return fn(q, k, v, mask), jax.grad(lambda *a: jnp.sum(fn(*a, mask) ** 2), argnums=(0, 1, 2))(q, k, v)
 
   (out, grads), (_, one_block) = run(8), run(512)
@@ -134,8 +136,8 @@ def test_causal_gradients_match_across_methods(method):
     out = _explicit_jax(*kernels.positive(q, k, proj, stabilize=False), v, causal=True)
     return jnp.sum(out * jnp.cos(jnp.arange(out.size).reshape(out.shape)))
 
-  got = jax.grad(functools.partial(loss, method), argnums=(0, 1, 2))(q, k, v)
-  want = jax.grad(ref_loss, argnums=(0, 1, 2))(q, k, v)
+  got = jax.jit(jax.grad(functools.partial(loss, method), argnums=(0, 1, 2)))(q, k, v)
+  want = jax.jit(jax.grad(ref_loss, argnums=(0, 1, 2)))(q, k, v)
   for g, w in zip(got, want):
     np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5)
 
@@ -193,7 +195,7 @@ def test_gradient_of_past_wrt_future_is_exactly_zero(name):
     out = core.favor_attention(q, k, v, proj, kernel=name, causal=True, chunk_size=8, **extra)
     return jnp.sum(out[:, : t + 1] ** 2)
 
-  grads = jax.grad(past, argnums=(0, 1, 2))(q, k, v)
+  grads = jax.jit(jax.grad(past, argnums=(0, 1, 2)))(q, k, v)
   for g in grads:
     assert np.all(np.asarray(g[:, t + 1:]) == 0.0)
     assert np.any(np.asarray(g[:, : t + 1]) != 0.0)
@@ -202,14 +204,16 @@ def test_gradient_of_past_wrt_future_is_exactly_zero(name):
 def test_causal_output_matches_bidirectional_on_prefixes():
   q, k, v = _qkv(length=12)
   proj = _proj()
-  full = core.favor_attention(q, k, v, proj, causal=True, chunk_size=4)
+  full = jax.jit(lambda q, k, v: core.favor_attention(q, k, v, proj, causal=True, chunk_size=4))(q, k, v)
+  bidirectional = jax.jit(lambda q, k, v: core.favor_attention(q, k, v, proj))
   for t in (0, 5, 11):
-    bi = core.favor_attention(q[:, t:t + 1], k[:, : t + 1], v[:, : t + 1], proj)
+    bi = bidirectional(q[:, t:t + 1], k[:, : t + 1], v[:, : t + 1])
     np.testing.assert_allclose(full[:, t:t + 1], bi, rtol=1e-5, atol=1e-6)
 
 
 # --- masks ---------------------------------------------------------------------------------
 
+@pytest.mark.eager_for(name="positive")
 @pytest.mark.parametrize("name", ALL_KERNELS)
 def test_key_mask_equals_truncated_sequence(name, maybe_jit):
   q, k, v = _qkv()
@@ -318,10 +322,14 @@ def test_all_masked_row_gives_zero_not_nan():
 
 # --- numerics and dtypes -----------------------------------------------------------------
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("name", ALL_KERNELS)
 @pytest.mark.parametrize("causal", [False, True])
-def test_finite_outputs_and_grads_for_large_inputs(dtype, name, causal):
+def test_finite_outputs_and_grads_for_large_inputs(name, causal):
+  """×20 inputs in bfloat16: the features take them to float32 first (``kernels`` scales x to float32), so
+  this is the float32 computation at the rounded inputs plus bfloat16 at the ends. Against references at ×20:
+  every kernel's outputs (test_numerics.py); gradients of positive features (chunked vs scan), of hybrid
+  attention and of the fused kernels (test_numerics.py, test_estimators.py, test_fused.py)."""
+  dtype = jnp.bfloat16
   q, k, v = (x.astype(dtype) for x in _qkv(scale=20.0))
   proj = _proj(name=name)
   extra = _extra(name, causal)
@@ -528,6 +536,7 @@ def test_bad_inputs_raise_clear_errors():
 
 # --- decoding ------------------------------------------------------------------------------------
 
+@pytest.mark.eager_for(name="positive")  # a Python loop of decode steps: how a user decodes
 @pytest.mark.parametrize("name", ["positive", "trigonometric", "optimal_positive", "relu"])
 def test_decode_steps_equal_causal_forward(name, maybe_jit):
   q, k, v = _qkv(length=19)

@@ -138,7 +138,7 @@ def test_chunked_gradients_equal_scan_gradients_at_large_scale():
 
   for scale in (1.0, 7.0, 20.0):
     q, k = scale * q0, scale * k0
-    want = jax.grad(functools.partial(loss, "scan"), argnums=(0, 1, 2))(q, k, v)
+    want = jax.jit(jax.grad(functools.partial(loss, "scan"), argnums=(0, 1, 2)))(q, k, v)
     got = jax.jit(jax.grad(functools.partial(loss, "chunked"), argnums=(0, 1, 2)))(q, k, v)
     for g, w in zip(got, want):
       assert np.all(np.isfinite(g))
@@ -161,7 +161,8 @@ def test_chunked_takes_the_per_token_path_when_needed(length, chunk, at, masked,
   q, k, v = (x.astype(dtype) for x in (q, k, v))
   tol = _tolerance(dtype, 1.0)  # float32: 1e-5 (absolute below), bfloat16: 2e-2 of the largest output
   mask = _mask(length=length) if masked else jnp.ones((B, length), bool)
-  got = core.favor_attention(q, k, v, proj, causal=True, key_mask=mask, chunk_size=chunk)
+  got = jax.jit(lambda q, k, v: core.favor_attention(q, k, v, proj, causal=True, key_mask=mask,
+                                                     chunk_size=chunk))(q, k, v)
   want, _ = explicit("positive", q, k, v, proj, None, mask, causal=True)
   atol = tol if dtype == jnp.float32 else tol * np.max(np.abs(want))
   np.testing.assert_allclose(np.asarray(got, np.float64), want, atol=atol)
@@ -170,7 +171,7 @@ def test_chunked_takes_the_per_token_path_when_needed(length, chunk, at, masked,
   weights = jnp.cos(jnp.arange(v.size).reshape(v.shape))
   loss = lambda method, q, k, v, proj: jnp.sum(weights * core.favor_attention(
       q, k, v, proj, causal=True, key_mask=mask, causal_method=method, chunk_size=chunk).astype(jnp.float32))
-  want = jax.grad(functools.partial(loss, "scan"), argnums=(0, 1, 2, 3))(q, k, v, proj)
+  want = jax.jit(jax.grad(functools.partial(loss, "scan"), argnums=(0, 1, 2, 3)))(q, k, v, proj)
   got = jax.jit(jax.grad(functools.partial(loss, "chunked"), argnums=(0, 1, 2, 3)))(q, k, v, proj)
   grad_tol = 1e-4 if dtype == jnp.float32 else tol  # bfloat16: both gradients are rounded to 2^-8
   for g, w in zip(got, want):
@@ -198,8 +199,8 @@ def test_non_finite_input_gives_nan_exactly_where_exact_attention_depends_on_it(
   t = 40  # late in a chunk of 16: earlier rows of the chunk must not change
   args = dict(query=q, key=k, value=v)
   args[where] = _with_nan(args[where], t, value)
-  attend = functools.partial(core.favor_attention, projection=proj, causal=causal, causal_method=method,
-                             chunk_size=16)
+  attend = jax.jit(functools.partial(core.favor_attention, projection=proj, causal=causal, causal_method=method,
+                                     chunk_size=16))
   got = np.asarray(attend(**args))
   exact = np.asarray(core.softmax_attention(**args, causal=causal))
   clean_args = dict(args)
@@ -223,8 +224,8 @@ def test_masked_non_finite_keys_are_absent(causal, method):
   q, k, v = _qkv(length=48)
   proj = _proj()
   mask = jnp.ones((B, 48), bool).at[0, 40].set(False)
-  attend = functools.partial(core.favor_attention, projection=proj, causal=causal, causal_method=method,
-                             chunk_size=16, key_mask=mask)
+  attend = jax.jit(functools.partial(core.favor_attention, projection=proj, causal=causal, causal_method=method,
+                                     chunk_size=16, key_mask=mask))
   got = attend(q, _with_nan(k, 40, jnp.inf), _with_nan(v, 40))
   np.testing.assert_allclose(got, attend(q, k, v), rtol=1e-5, atol=1e-6)
   ref = core.softmax_attention(q, _with_nan(k, 40, jnp.inf), _with_nan(v, 40), causal=causal, key_mask=mask)
@@ -240,8 +241,9 @@ def test_gradients_of_rows_before_a_non_finite_key_are_unaffected():
     out = core.favor_attention(q, k, v, proj, causal=True, chunk_size=16)
     return jnp.sum(out[:, :40] * weights[:, :40])
 
-  g_bad = jax.grad(loss, argnums=(0, 1))(_with_nan(k, 40), _with_nan(v, 40))
-  g_clean = jax.grad(loss, argnums=(0, 1))(_with_nan(k, 40, 0.0), _with_nan(v, 40, 0.0))
+  grad = jax.jit(jax.grad(loss, argnums=(0, 1)))
+  g_bad = grad(_with_nan(k, 40), _with_nan(v, 40))
+  g_clean = grad(_with_nan(k, 40, 0.0), _with_nan(v, 40, 0.0))
   for a, b in zip(g_bad, g_clean):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 

@@ -130,13 +130,14 @@ def test_decode_prompt_then_tokens_equals_causal_forward():
   x = _x(length=13)
   model = TwoLayers()
   variables = model.init(jax.random.PRNGKey(0), x)
-  full = model.apply(variables, x)
+  full = jax.jit(model.apply)(variables, x)
   cache = model.init(jax.random.PRNGKey(0), x[:, :1], decode=True)["cache"]
   outs = []
-  out, mut = model.apply({**variables, "cache": cache}, x[:, :9], decode=True, mutable=["cache"])
+  step = jax.jit(lambda v, x: model.apply(v, x, decode=True, mutable=["cache"]))  # one compilation per length
+  out, mut = step({**variables, "cache": cache}, x[:, :9])
   outs.append(out)  # the 9-token prompt spans three chunks of 4
   for t in range(9, 13):
-    out, mut = model.apply({**variables, "cache": mut["cache"]}, x[:, t:t + 1], decode=True, mutable=["cache"])
+    out, mut = step({**variables, "cache": mut["cache"]}, x[:, t:t + 1])
     outs.append(out)
   np.testing.assert_allclose(jnp.concatenate(outs, 1), full, rtol=1e-4, atol=1e-5)
   assert mut["cache"]["attn_0"]["s"].shape == (B, H, 16, F // H + 1)  # O(1) in length
