@@ -12,7 +12,12 @@ jax.config.update("jax_default_matmul_precision", "highest")
 # the end while the other idles.
 FIRST = ("tests/parallel/test_multidevice.py", "tests/experiments/test_multihost.py",
          "tests/experiments/test_experiments.py", "tests/experiments/test_quality_study.py",
-         "tests/experiments/test_training.py")
+         "tests/experiments/test_training.py",
+         # then the longest of the rest (worker-seconds, --durations=0 on 2026-12-02), longest first: the run
+         # ends on short files, not on one worker finishing a 3-minute file while the other idles
+         "tests/core/test_attention.py", "tests/core/test_numerics.py", "tests/layers/test_new_estimators.py",
+         "tests/core/test_fused.py", "tests/core/test_estimators.py", "tests/layers/test_linen.py",
+         "tests/test_readme.py")
 CACHE_ENV = "JAX_COMPILATION_CACHE_DIR"
 # Tests check results, not speed, on small shapes: most of their time is XLA compiling many small programs.
 # LLVM's optimisation level changes how fast the machine code runs, not what it computes (XLA's own graph
