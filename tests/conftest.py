@@ -125,10 +125,12 @@ def _eager_case_left_out(item) -> bool:
 
 
 def pytest_collection_modifyitems(config, items):
-  left_out = [item for item in items if _eager_case_left_out(item)]
+  kept, left_out = [], []
+  for item in items:
+    (left_out if _eager_case_left_out(item) else kept).append(item)
   if left_out:
     config.hook.pytest_deselected(items=left_out)
-    items[:] = [item for item in items if not _eager_case_left_out(item)]
+    items[:] = kept
   first = lambda item: next((i for i, f in enumerate(FIRST) if item.nodeid.startswith(f + "::")), len(FIRST))
   items.sort(key=first)  # stable: the rest keep their order
 
