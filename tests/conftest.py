@@ -44,8 +44,6 @@ def pytest_configure(config):
   """One persistent compilation cache for the run, shared by both workers and every process a test starts
   (they inherit the variable): a program another test already compiled is read back, not compiled again.
   A fresh directory per run (removed at the end), so no run reads another's; a cache the caller set is kept."""
-  config.addinivalue_line("markers", "eager_for(**params): of the test's eager (maybe_jit) cases run only the "
-                          "one with these parameters; every case still runs under jit")
   if hasattr(config, "workerinput"):  # an xdist worker: its controller set the variables before starting it
     return
   flags = os.environ.get("XLA_FLAGS", "")
@@ -130,24 +128,8 @@ def pytest_terminal_summary(terminalreporter):
     terminalreporter.line(f"{report.longrepr} (ran again on a fresh worker; that run's result counts)")
 
 
-def _eager_case_left_out(item) -> bool:
-  """An eager case of a test marked ``eager_for(**params)`` whose parameters are not ``params``. Eagerly the core
-  runs the same code op by op, each op a compilation of its own: a test over every kernel shows that once, and
-  the jitted cases check each kernel."""
-  marker = item.get_closest_marker("eager_for")
-  params = getattr(getattr(item, "callspec", None), "params", {})
-  if marker is None or params.get("maybe_jit", True):
-    return False
-  return any(params.get(name) != value for name, value in marker.kwargs.items())
-
-
 def pytest_collection_modifyitems(config, items):
-  kept, left_out = [], []
-  for item in items:
-    (left_out if _eager_case_left_out(item) else kept).append(item)
-  if left_out:
-    config.hook.pytest_deselected(items=left_out)
-    items[:] = kept
+  del config
   first = lambda item: next((i for i, f in enumerate(FIRST) if item.nodeid.startswith(f + "::")), len(FIRST))
   items.sort(key=first)  # stable: the rest keep their order
 
@@ -166,8 +148,8 @@ def _release_compiled_programs():
 
 @pytest.fixture(params=[False, True], ids=["eager", "jit"])
 def maybe_jit(request):
-  """Runs a core test both without and under jax.jit (static kwargs via closure); ``eager_for`` on a test keeps
-  one eager case of its parameters."""
+  """Runs a core test both without and under jax.jit (static kwargs via closure): eagerly the core runs op by
+  op, as a user's first call does; under jit, as a compiled model does."""
   if request.param:
     return lambda f, **static: jax.jit(lambda *a: f(*a, **static))
   return lambda f, **static: (lambda *a: f(*a, **static))

@@ -59,7 +59,6 @@ def _extra(name, causal):
 
 # --- exactness given features -------------------------------------------------------------
 
-@pytest.mark.eager_for(causal=True, method="chunked")
 @pytest.mark.parametrize("causal,method", [(False, "chunked")] + [(True, m) for m in METHODS])
 def test_linear_attention_equals_explicit_quadratic_form(causal, method, maybe_jit):
   q, k, v = _qkv()
@@ -72,7 +71,6 @@ def test_linear_attention_equals_explicit_quadratic_form(causal, method, maybe_j
   np.testing.assert_allclose(out, _explicit(qf, kf, v, causal, mask), rtol=2e-5, atol=2e-5)
 
 
-@pytest.mark.eager_for(name="positive")
 @pytest.mark.parametrize("name", ALL_KERNELS)
 @pytest.mark.parametrize("causal", [False, True])
 def test_favor_equals_linear_attention_on_raw_features(name, causal, maybe_jit):
@@ -213,7 +211,6 @@ def test_causal_output_matches_bidirectional_on_prefixes():
 
 # --- masks ---------------------------------------------------------------------------------
 
-@pytest.mark.eager_for(name="positive")
 @pytest.mark.parametrize("name", ALL_KERNELS)
 def test_key_mask_equals_truncated_sequence(name, maybe_jit):
   q, k, v = _qkv()
@@ -322,29 +319,6 @@ def test_all_masked_row_gives_zero_not_nan():
 
 # --- numerics and dtypes -----------------------------------------------------------------
 
-@pytest.mark.parametrize("name", ALL_KERNELS)
-@pytest.mark.parametrize("causal", [False, True])
-def test_finite_outputs_and_grads_for_large_inputs(name, causal):
-  """×20 inputs in bfloat16: the features take them to float32 first (``kernels`` scales x to float32), so
-  this is the float32 computation at the rounded inputs plus bfloat16 at the ends. Against references at ×20:
-  every kernel's outputs (test_numerics.py); gradients of positive features (chunked vs scan), of hybrid
-  attention and of the fused kernels (test_numerics.py, test_estimators.py, test_fused.py)."""
-  dtype = jnp.bfloat16
-  q, k, v = (x.astype(dtype) for x in _qkv(scale=20.0))
-  proj = _proj(name=name)
-  extra = _extra(name, causal)
-
-  def loss(q, k, v):
-    out = core.favor_attention(q, k, v, proj, kernel=name, causal=causal, chunk_size=8, **extra)
-    assert out.dtype == dtype
-    return jnp.sum(out.astype(jnp.float32))
-
-  val, grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(q, k, v)  # the maybe_jit tests run eagerly
-  assert np.isfinite(float(val))
-  for g in grads:
-    assert np.all(np.isfinite(np.asarray(g, np.float32)))
-
-
 def test_bf16_matches_f32_within_bf16_precision():
   q, k, v = _qkv()
   proj = _proj()
@@ -437,15 +411,36 @@ def test_every_kernel_gradients_equal_those_of_the_explicit_form(name, causal):
     np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5 * np.max(np.abs(w)) + 1e-7, err_msg=what)
 
 
-def test_grad_matches_finite_differences():
+@pytest.mark.parametrize("name", ALL_KERNELS)
+@pytest.mark.parametrize("causal", [False, True])
+def test_gradients_match_finite_differences(name, causal):
+  """Gradients of q, k, v and the projection against central differences of the attention itself: independent
+  of the features' autodiff, which the explicit-form gradient tests share with the library (a misplaced
+  ``stop_gradient`` in a feature formula fails here only). Along each gradient's own direction and a random
+  one, both of unit norm; error relative to the gradient's norm. Float32 differences of a loss ~10 carry
+  ~1e-3 of that norm in rounding (measured ≤ 4.9e-3 over these cases, 2026-12-03). A statistic is given:
+  the features hold it constant under grad (kernels.py)."""
   q, k, v = _qkv(length=6, batch=(1,))
-  proj = _proj()
-  f = jax.jit(lambda q: jnp.sum(jnp.sin(core.favor_attention(q, k, v, proj, causal=True, chunk_size=4))))
-  g = jax.grad(f)(q)
-  direction = jax.random.normal(jax.random.PRNGKey(4), q.shape)
-  eps = 1e-3
-  fd = (f(q + eps * direction) - f(q - eps * direction)) / (2 * eps)
-  np.testing.assert_allclose(float(jnp.sum(g * direction)), float(fd), rtol=2e-3)
+  proj = _proj(name=name)
+  kern = kernels.KERNELS[name]
+  rho = kern.compute_statistic(q, k) if kern.data_dependent else None
+  args = (q, k, v) if proj is None else (q, k, v, proj)
+
+  def loss(*a):
+    return jnp.sum(jnp.sin(core.favor_attention(*a[:3], a[3] if len(a) > 3 else None, kernel=name, causal=causal,
+                                                chunk_size=4, rho=rho)))
+
+  f = jax.jit(loss)
+  grads = jax.jit(jax.grad(loss, argnums=tuple(range(len(args)))))(*args)
+  eps = 3e-3
+  for i, g in enumerate(grads):
+    norm = float(jnp.linalg.norm(g))
+    assert norm > 0, i
+    for d in (g, jax.random.normal(jax.random.PRNGKey(10 + i), g.shape)):
+      d = d / jnp.linalg.norm(d)
+      moved = lambda s: [x + s * d if j == i else x for j, x in enumerate(args)]
+      fd = (f(*moved(eps)) - f(*moved(-eps))) / (2 * eps)
+      assert abs(float(jnp.sum(g * d)) - float(fd)) <= 2e-2 * norm, f"argument {i}: {float(jnp.sum(g * d))} vs {fd}"
 
 
 def test_cross_attention_different_lengths():
@@ -536,7 +531,6 @@ def test_bad_inputs_raise_clear_errors():
 
 # --- decoding ------------------------------------------------------------------------------------
 
-@pytest.mark.eager_for(name="positive")  # a Python loop of decode steps: how a user decodes
 @pytest.mark.parametrize("name", ["positive", "trigonometric", "optimal_positive", "relu"])
 def test_decode_steps_equal_causal_forward(name, maybe_jit):
   q, k, v = _qkv(length=19)

@@ -73,7 +73,6 @@ def test_fixed_norm_orthogonal_is_biased_for_exponential_kernels():
     _assert_unbiased(est, *map(np.asarray, _pairs()))
 
 
-@pytest.mark.eager_for(name="positive")
 @pytest.mark.parametrize("name", sorted(kernels.KERNELS))
 def test_feature_shapes_and_stabilize_cancels(name, maybe_jit):
   q, k = _pairs()
