@@ -52,7 +52,7 @@ def sequence_parallel_attention(
     kernel="positive",
     causal: bool = False,
     key_mask: Bool[Array, "... L"] | None = None,
-    rho: Float[Array, "... H"] | None = None,
+    rho: Float[Array, "... H"] | Float[Array, "... H D+1"] | None = None,
     chunk_size: int = 64,
 ) -> Float[Array, "... L H Dv"]:
   """:func:`favor_attention` (same formula, kernels and stabiliser) with the sequence split over ``axis_name``.
@@ -65,9 +65,10 @@ def sequence_parallel_attention(
   L over ``axis_name`` (replicated when L had to be padded on a mesh with
   explicit axes, which cannot shard such a length) and, with ``batch_axis``,
   the flattened batch over that axis (when its size divides the batch; the
-  batch is replicated otherwise — the result is the same either way). FAVOR++
-  (``optimal_positive``) needs an explicit ``rho``: its batch statistic is a
-  mean over the whole sequence, which would be one more collective. The sharded computation runs compiled
+  batch is replicated otherwise — the result is the same either way). A
+  data-dependent kernel (FAVOR++ ``optimal_positive``, FAVOR# ``saderf``) needs an
+  explicit ``rho``: its statistic is a mean over the whole sequence, which would be
+  one more collective. The sharded computation runs compiled
   (``jit``) even when called eagerly: ``shard_map`` executed op by op is far slower. Eager calls with the
   same shapes, mesh and choices reuse one compilation.
   """

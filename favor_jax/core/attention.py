@@ -109,7 +109,7 @@ def favor_attention(
     kernel="positive",
     causal: bool = False,
     key_mask: Bool[Array, "... Lk"] | None = None,
-    rho: Float[Array, "... H"] | None = None,
+    rho: Float[Array, "... H"] | Float[Array, "... H D+1"] | None = None,
     causal_method: str = "auto",
     chunk_size: int = 64,
     query_mask: Bool[Array, "... Lq"] | None = None,
@@ -131,7 +131,8 @@ def favor_attention(
   kernel's features allow it, else ``"chunked"``), ``"chunked"`` (exact
   causal chunks of ``chunk_size`` with carried state, XLA), ``"pallas"``
   (the same chunks as fused Pallas kernels; Pallas's interpreter off GPU;
-  first derivatives only: a second one raises ``ValueError``),
+  ``chunk_size`` a power of two ≥ 16; first derivatives only: a second one
+  raises ``ValueError``),
   ``"scan"`` (the paper's per-token recurrence) or ``"cumsum"``
   (materialised prefix states). ``"chunked"`` and ``"pallas"`` (custom
   VJPs) are reverse mode only: under ``jax.jvp``/``jax.jacfwd`` JAX raises
@@ -191,7 +192,7 @@ def hybrid_attention(
     kernel="positive",
     causal: bool = False,
     key_mask: Bool[Array, "... Lk"] | None = None,
-    rho: Float[Array, "... H"] | None = None,
+    rho: Float[Array, "... H"] | Float[Array, "... H D+1"] | None = None,
     chunk_size: int = 64,
     query_mask: Bool[Array, "... Lq"] | None = None,
 ) -> Float[Array, "... Lq H Dv"]:
@@ -277,7 +278,7 @@ def favor_decode_step(
     *,
     kernel="positive",
     key_mask: Bool[Array, "... l"] | None = None,
-    rho: Float[Array, "... H"] | None = None,
+    rho: Float[Array, "... H"] | Float[Array, "... H D+1"] | None = None,
     chunk_size: int = 64,
     window: int = 0,
 ) -> tuple[shared.RecurrentState | hybrid_lib.HybridState, Float[Array, "... l H Dv"]]:

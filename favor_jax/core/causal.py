@@ -248,9 +248,11 @@ def cumsum(feature_fn, q, k, v, mask):
 
 def exponential_features(feature_fn, q, k) -> bool:
   """Whether φ = exp(log) with a log per feature and no multiplier, for queries and keys (what the fused
-  kernels take: positive, hyperbolic, FAVOR++, FAVOR#, Hedgehog, ELU+1; not trigonometric, ReLU, Taylor)."""
+  kernels take: positive, hyperbolic, FAVOR++, FAVOR#, Hedgehog, ELU+1; not trigonometric, ReLU, Taylor).
+  With no multiplier a log of width 1 is one feature (a one-row projection, ELU+1 with D = 1), not a
+  per-row scale."""
   fq, fk = jax.eval_shape(feature_fn, q[:, :1], k[:, :1])
-  return all(f.mult is None and f.log is not None and f.log.shape[-1] > 1 for f in (fq, fk))
+  return all(f.mult is None and f.log is not None for f in (fq, fk))
 
 
 def pallas_block(size: int) -> bool:

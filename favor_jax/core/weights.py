@@ -54,7 +54,7 @@ def attention_weights(
     causal: bool = False,
     key_mask: Bool[Array, "... Lk"] | None = None,
     window: int = 0,
-    rho: Float[Array, "... H"] | None = None,
+    rho: Float[Array, "... H"] | Float[Array, "... H D+1"] | None = None,
     query_mask: Bool[Array, "... Lq"] | None = None,
 ) -> Float[Array, "... H Lq Lk"]:
   """The normalised weights A [..., H, Lq, Lk] with out = A v, as the attention functions compute them.

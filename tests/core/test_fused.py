@@ -83,6 +83,35 @@ def test_fused_kernels_equal_the_explicit_form_and_the_scan_gradients(name):
     np.testing.assert_allclose(got, ref, atol=2e-5 * np.max(np.abs(ref)), err_msg=what)
 
 
+@pytest.mark.parametrize("name", ["positive", "elu_plus_one"])
+def test_a_single_feature_is_taken_and_exact(name):
+  """One feature (FAVOR+ with a one-row projection; ELU+1 with D = 1): its log has width 1, as a per-row
+  scale of multiplied features has; with no multiplier it is the feature itself, and the fused pass takes
+  it (it refused it as "not exponentials", audit of 2026-12-03). Outputs against the explicit form,
+  gradients against the per-token scan."""
+  q, k, v, mask = _inputs()
+  if name == "elu_plus_one":
+    q, k, proj = q[..., :1], k[..., :1], None
+  else:
+    proj = core.orthogonal_projection(jax.random.PRNGKey(5), 1, D)
+
+  def loss(method, q, k, v, proj):
+    out = core.favor_attention(q, k, v, proj, kernel=name, causal=True, key_mask=mask, causal_method=method,
+                               chunk_size=16)
+    return jnp.sum(jnp.sin(out)), out
+
+  argnums = (0, 1, 2) if proj is None else (0, 1, 2, 3)
+  run = lambda method: jax.jit(jax.grad(functools.partial(loss, method), argnums=argnums, has_aux=True))(
+      q, k, v, proj)
+  (got, out), (want, _) = run("pallas"), run("scan")
+  ref, _ = explicit(name, q, k, v, proj, None, mask, causal=True)
+  np.testing.assert_allclose(np.asarray(out, np.float64), ref, atol=1e-5 * np.max(np.abs(ref)))
+  # One feature cancels from each row (φ(q_t) multiplies numerator and denominator): the query's gradient is
+  # 0, and float32 leaves ~1e-7 of it.
+  for g, w, what in zip(got, want, ("query", "key", "value", "projection")):
+    np.testing.assert_allclose(g, w, atol=2e-5 * np.max(np.abs(w)) + 1e-6, err_msg=what)
+
+
 def test_large_inputs_are_redone_exactly_never_zero_rows():
   """At ×20 a later key inside a chunk outgrows the rows before it by hundreds of e-folds: the fused pass
   detects those rows (denominator below its largest term's floor) and the call is redone by the XLA pass."""
