@@ -128,8 +128,7 @@ def pytest_terminal_summary(terminalreporter):
     terminalreporter.line(f"{report.longrepr} (ran again on a fresh worker; that run's result counts)")
 
 
-def pytest_collection_modifyitems(config, items):
-  del config
+def pytest_collection_modifyitems(items):
   first = lambda item: next((i for i, f in enumerate(FIRST) if item.nodeid.startswith(f + "::")), len(FIRST))
   items.sort(key=first)  # stable: the rest keep their order
 
