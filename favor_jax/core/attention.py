@@ -88,7 +88,7 @@ def linear_attention(
   forming A. Rows with a zero denominator return 0. Features are used as given.
   """
   shared.validate(query_features, key_features, value, key_mask, causal, "query_features", "key_features")
-  checks.check_causal_method(causal_method, causal_lib.CAUSAL_METHODS)
+  checks.check_causal_method(causal_method, causal_lib.CAUSAL_METHODS, causal)
   chunk_size = checks.check_chunk_size(chunk_size)
 
   def feature_fn(qf, kf):
@@ -126,7 +126,8 @@ def favor_attention(
   so causal outputs never depend, even numerically, on later tokens.
   ``causal_method`` and ``chunk_size`` choose the causal pass (a value outside
   their range is refused either way); bidirectional attention has one pass,
-  folding keys in blocks of its own, and reads neither.
+  folding keys in blocks of its own, and reads neither (``"pallas"`` is
+  refused there: it has no fused kernel).
   ``causal_method``: ``"auto"`` (default: ``"pallas"`` on a GPU where the
   kernel's features allow it, else ``"chunked"``), ``"chunked"`` (exact
   causal chunks of ``chunk_size`` with carried state, XLA), ``"pallas"``
@@ -160,7 +161,7 @@ def favor_attention(
   are 0 and every row is 0; trigonometric ones weight keys by exp(+‖k‖²/(2√d)).
   """
   shared.validate(query, key, value, key_mask, causal, query_mask=query_mask)
-  checks.check_causal_method(causal_method, causal_lib.CAUSAL_METHODS)
+  checks.check_causal_method(causal_method, causal_lib.CAUSAL_METHODS, causal)
   chunk_size = checks.check_chunk_size(chunk_size)
   feature_fn = _feature_fn(kernel, projection, rho, query, key, key_mask, causal, query_mask=query_mask)
   return _run(feature_fn, query, key, value, key_mask, causal, causal_method, chunk_size)

@@ -104,10 +104,15 @@ def check_chunk_size(chunk_size) -> int:
   return int(chunk_size)
 
 
-def check_causal_method(causal_method, choices) -> None:
-  """Checked whether or not the call is causal: an argument we cannot honour is never ignored."""
+def check_causal_method(causal_method, choices, causal: bool = True) -> None:
+  """Checked whether or not the call is causal: an argument we cannot honour is never ignored. Not causal,
+  the other methods name causal passes that bidirectional attention has no use for, but "pallas" asks for
+  fused kernels it does not have."""
   if causal_method not in choices:
     raise ValueError(f"unknown causal_method {causal_method!r}; choose one of {list(choices)}")
+  if causal_method == "pallas" and not causal:
+    raise ValueError("causal_method='pallas' asks for the fused causal kernels; bidirectional attention "
+                     "(causal=False) has no fused kernel and runs its XLA pass: use causal_method='auto'")
 
 
 def check_window(window) -> int:

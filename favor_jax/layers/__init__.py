@@ -67,6 +67,7 @@ def check_favor_args(*, num_features, kernel, projection, causal, decode, window
   core.get_kernel(kernel)
   check_causal_method(causal_method, "window > 0 (hybrid attention)" if window else (
       DECODE_RUNS_CHUNKED if decode else None))
+  core.checks.check_causal_method(causal_method, causal_lib.CAUSAL_METHODS, causal)
   role = projection_role(kernel)
   _check_optional_size("num_features", num_features)
   if projection is not None and projection not in PROJECTIONS:

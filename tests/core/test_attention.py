@@ -514,6 +514,10 @@ def test_bad_inputs_raise_clear_errors():
     fa(q, k, v.astype(jnp.int32), p)
   with pytest.raises(ValueError, match="unknown causal_method"):
     fa(q, k, v, p, causal=True, causal_method="fft")
+  with pytest.raises(ValueError, match="bidirectional attention .causal=False. has no fused kernel"):
+    fa(q, k, v, p, causal_method="pallas")
+  with pytest.raises(ValueError, match="bidirectional attention .causal=False. has no fused kernel"):
+    core.linear_attention(q, k, v, causal_method="pallas")
   with pytest.raises(ValueError, match=r"rho passes the statistic of a data-dependent kernel \(one of "
                                        r"\['optimal_positive', 'saderf'\]\); kernel 'positive' takes none"):
     fa(q, k, v, p, rho=jnp.ones(()))

@@ -1,6 +1,6 @@
 """The layers' ``causal_method``: the fused Pallas pass (interpreted here) inside Linen and NNX layers gives
 the outputs and parameter gradients of the per-token scan through the same layer; choices a layer cannot
-honour (hybrid windows, sequence-parallel, unknown names) stop with a clear error."""
+honour (hybrid windows, sequence-parallel, bidirectional attention, unknown names) stop with a clear error."""
 
 import jax
 import jax.numpy as jnp
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from favor_jax import layers
+from favor_jax import core, layers
 from favor_jax.layers import linen as flin
 from favor_jax.layers import nnx as fnnx
 
@@ -55,3 +55,14 @@ def test_layers_refuse_causal_methods_they_cannot_honour():
   with pytest.raises(ValueError, match="cannot apply with sequence_axis"):
     flin.FavorAttention(num_heads=H, causal=True, mesh=mesh, sequence_axis="seq",
                         causal_method="pallas").init(jax.random.PRNGKey(0), _x())
+  # bidirectional attention has no fused kernel: "pallas" there is refused, not run as the XLA pass
+  no_fused = "causal_method='pallas' asks for the fused causal kernels; bidirectional attention"
+  with pytest.raises(ValueError, match=no_fused):
+    flin.FavorAttention(num_heads=H, causal_method="pallas").init(jax.random.PRNGKey(0), _x())
+  with pytest.raises(ValueError, match=no_fused):
+    fnnx.FavorAttention(H, F, causal_method="pallas", rngs=nnx.Rngs(0))
+  proj = core.orthogonal_projection(jax.random.PRNGKey(1), M, F // H)
+  qkv = jnp.reshape(_x()[:, :16], (B, 16, H, F // H))
+  with pytest.raises(ValueError, match=no_fused):  # its direction is known at the call (NNX's is_causal)
+    layers.make_attention_fn(proj, causal_method="pallas")(qkv, qkv, qkv)
+  assert layers.make_attention_fn(proj, causal_method="pallas")(qkv, qkv, qkv, is_causal=True).shape == qkv.shape
