@@ -55,6 +55,11 @@ def check_study(config) -> None:
     raise ValueError("config.features must list at least one feature count")
   for f in config.features:
     tasks.positive_int("config.features", f)
+  for name, kernel, _, how in ESTIMATORS:
+    least = core.get_kernel(kernel).num_features(1, 1)  # one projection row (random) or fitted row
+    if name in config.estimators and min(config.features) < least:
+      raise ValueError(f"config.features={tuple(config.features)}: estimator {name!r} needs F >= {least} "
+                       f"(one {'fitted' if how == 'fitted' else 'projection'} row), got {min(config.features)}")
   if not config.fit_lr > 0:
     raise ValueError(f"config.fit_lr must be > 0, got {config.fit_lr!r}")
   cluster = common.cluster_fields(config.model.mesh)
@@ -63,6 +68,17 @@ def check_study(config) -> None:
     raise ValueError(f"model.mesh asks for a multi-process cluster ({cluster}), but this study runs in one "
                      "process (its measurements gather every array on it): train the model with a training "
                      "config on the cluster and give its run directory as config.model_dir")
+
+
+def unread(config) -> dict:
+  """{field: why} of the study's fields the selected estimators leave unread."""
+  hows = {how for name, _, _, how in ESTIMATORS if name in config.estimators}
+  out = {}
+  if "fitted" not in hows:
+    out.update({f: "no fitted estimator in config.estimators" for f in ("fit_steps", "fit_lr", "fit_sequences")})
+  if "random" not in hows:
+    out["num_draws"] = "no randomly drawn estimator in config.estimators"
+  return out
 
 
 def runs(config) -> list[tuple[str, str, object]]:
@@ -230,7 +246,7 @@ def summarize(records, config) -> str:
       lines.append(f"| {name} | " + " | ".join(f"{c[metric]:.4f} (F={c['features']})" for c in cells)
                    + f" | {ratio} |")
     lines.append("")
-  if "favor+" in names:
+  if "favor+" in names and len(names) > 1:
     best = min((table[n, f]["rel_error"] / table["favor+", f]["rel_error"], n, f)
                for n in names for f in config.features if n != "favor+")
     lines.append(f"Best relative output error against FAVOR+ at the same F: {best[1]} at F≤{best[2]}, "

@@ -86,10 +86,27 @@ def check_study(config) -> None:
   if not isinstance(config.num_draws, int) or config.num_draws < 2:
     raise ValueError(f"config.num_draws must be an int >= 2 (the 95% interval needs two draws), "
                      f"got {config.num_draws!r}")
+  if not config.settings:
+    raise ValueError("config.settings must list at least one (name, sequence length, head dim, input scale)")
   for setting in config.settings:
+    if not isinstance(setting, (tuple, list)) or len(setting) != 4:
+      raise ValueError(f"config.settings must hold (name, sequence length, head dim, input scale) tuples, got "
+                       f"{setting!r}")
     name, seq_len, dim, scale = setting
     tasks.positive_int(f"config.settings[{name!r}] sequence length", seq_len)
     tasks.positive_int(f"config.settings[{name!r}] head dim", dim)
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 < scale < float("inf"):
+      raise ValueError(f"config.settings[{name!r}] input scale must be a finite number > 0, got {scale!r}")
+  if isinstance(config.seed, bool) or not isinstance(config.seed, int) or config.seed < 0:
+    raise ValueError(f"config.seed must be an int >= 0, got {config.seed!r}")
+
+
+def unread(config) -> dict:
+  """{field: why} of the sweep's fields that the chosen kernels leave unread."""
+  if any(core.get_kernel(k).needs_projection for k in config.kernels if k in core.KERNELS):
+    return {}
+  why = f"no kernel in config.kernels={tuple(config.kernels)} takes a projection"
+  return {f: why for f in ("projections", "num_features", "num_draws")}
 
 
 def run(config, progress=print, workdir=None):

@@ -44,7 +44,8 @@ def phase_configs(config):
   pretrain = copy.deepcopy(config)
   pretrain.attention.type, pretrain.attention.redraw_every = "softmax", 0
   pretrain.variants, pretrain.only = (), ""
-  del pretrain["finetune"]  # not the pretraining's: changing it must not stop that run from resuming
+  with pretrain.unlocked():  # the command line's config is locked (config_flags)
+    del pretrain["finetune"]  # not the pretraining's: changing it must not stop that run from resuming
   finetunes = []
   for name, c in sweep.variant_configs(config):
     c.train.steps, c.train.lr = config.finetune.steps, config.finetune.lr
@@ -54,6 +55,16 @@ def phase_configs(config):
     finetunes.append((name, c))
   training.check_config(pretrain)
   return pretrain, finetunes
+
+
+def unread(config) -> dict:
+  """{field: why}: the distillation's fields when no selected variant has a learned feature map."""
+  learned = [name for name, c in sweep.variant_configs(config)
+             if c.attention.type == "favor" and layers.projection_role(c.attention.kernel) == "learned"]
+  if learned:
+    return {}
+  why = "no selected variant has a learned feature map to distill (e.g. hedgehog)"
+  return {f"finetune.{f}": why for f in ("distill_steps", "distill_lr", "distill_batches")}
 
 
 def runs(config) -> list[tuple[str, str, object]]:

@@ -42,6 +42,13 @@ def _fn(path, chunk, num_warps, block_f):
   return functools.partial(_pallas_attention, fused.blocks_for(chunk, num_warps=num_warps, block_f=block_f))
 
 
+def unread(config) -> dict:
+  """{field: why}: the fused kernels' block fields when no Pallas chunk is swept."""
+  if config.pallas_chunks:
+    return {}
+  return {f: "config.pallas_chunks is empty: no fused configuration is timed" for f in ("num_warps", "block_fs")}
+
+
 def check(config) -> None:
   """The sweep's fields, named when bad, before the first configuration compiles."""
   check_timing(config)

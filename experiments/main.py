@@ -93,18 +93,36 @@ def resolve_quick(config, overrides: dict):
   return config
 
 
-def run(config, workdir, overrides=None) -> list[dict]:
-  """Runs ``config``'s study; ``overrides`` (dotted fields, the command line's, already set in ``config``)
-  apply to every variant, and one that a variant to run sets to another value stops the run."""
+# Fields naming the config file itself: a value on the command line would relabel the run, not change it.
+LABELS = {"experiment": "the study is the config file's: pass that study's --config file instead",
+          "config_name": "it names the config file (its quick version is rebuilt from it): pass another --config"}
+
+
+def prepare(config, overrides=None):
+  """(config to run, study module), every check that needs no computation made: ``overrides`` (dotted fields,
+  the command line's, already set in ``config``) apply to every variant, one that a variant to run sets to
+  another value stops, and so does one that nothing the study runs would read."""
   overrides = dict(overrides or {})
+  for field, why in LABELS.items():
+    if field in overrides:
+      raise ValueError(f"--config.{field}={overrides[field]!r} cannot take effect: {why}")
   if config.experiment not in STUDIES:
     raise ValueError(f"unknown experiment {config.experiment!r}; choose one of {sorted(STUDIES)}")
   config = resolve_quick(config, overrides)
+  overrides.pop("quick", None)  # taken into account by resolve_quick
   common.check_overrides(config, overrides)
   study = importlib.import_module(STUDIES[config.experiment])
   if hasattr(study, "runs"):  # a training study: every run checked, and each command-line value read by one
     from experiments import training
     training.check_overrides_used(study.runs(config), overrides)
+  if hasattr(study, "unread"):  # {field: why} the study's own fields this config leaves unread
+    common.check_overrides_read(study.unread(config), overrides)
+  return config, study
+
+
+def run(config, workdir, overrides=None) -> list[dict]:
+  """Runs ``config``'s study (checked by :func:`prepare` first)."""
+  config, study = prepare(config, overrides)
   cluster = cluster_arguments(config.mesh) if config.get("mesh") is not None else None
   workdir = common.check_workdir(workdir)
   if cluster is not None and config.mesh.distributed:

@@ -119,6 +119,13 @@ def approximation(config):
   return records
 
 
+def unread(config) -> dict:
+  """{field: why}: each mode's lengths when that mode is not compared."""
+  modes = tuple(config.causal)
+  return {**({} if True in modes else {"causal_seq_lens": "True is not in config.causal"}),
+          **({} if False in modes else {"seq_lens": "False is not in config.causal"})}
+
+
 def run(config, progress=print, workdir=None):
   check_timing(config)
   if not peers_available():

@@ -20,7 +20,7 @@ import matplotlib.ticker
 import ml_collections
 
 from experiments import models, plotting, sweep, tasks, training
-from experiments.timing import median_of
+from experiments.timing import check_sizes, median_of
 
 
 def load_study(directory: str) -> tuple[ml_collections.ConfigDict, list[dict]]:
@@ -77,6 +77,7 @@ def time_setting(config, steps: int, repeats: int, long_length: int) -> tuple[fl
 def run(config, progress=print, workdir=None):
   """Per study, its runs at the study's own task (variants that change ``data.*``, e.g. MQAR's other pair
   counts, are left out); each setting timed once (seeds of a setting share its times)."""
+  check_sizes(config)
   studies = [(study, *load_study(directory)) for study, directory in config.studies]
   for study, ran, _ in studies:  # before any timing
     if config.long_length and (ran.task == "listops" or ran.model.positions != "rotary"):

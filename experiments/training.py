@@ -115,13 +115,17 @@ def check_config(config) -> None:
 
 
 def unused_fields(config) -> dict:
-  """{dotted attention field: why this run does not read it}: FAVOR's fields under softmax attention, the
+  """{dotted field: why this run does not read it}: the config file's labels, ``mesh.fsdp`` without a data
+  axis, FAVOR's fields under softmax attention, the
   random projection's (``num_features``, ``projection``, ``redraw_every``) for a kernel without one,
   ``chunk_size`` where nothing is chunked (a classifier's bidirectional attention without a window)."""
+  unused = {k: "a label of the config file, not read by the run" for k in ("quick", "config_name", "experiment")
+            if k in config}
+  if config.mesh.data == 1:
+    unused["mesh.fsdp"] = "mesh.data is 1: no data axis to split parameters over"
   a = config.attention
   if a.type != "favor":
-    return {f"attention.{k}": "softmax attention has no FAVOR fields" for k in a if k != "type"}
-  unused = {}
+    return {**unused, **{f"attention.{k}": "softmax attention has no FAVOR fields" for k in a if k != "type"}}
   if layers.projection_role(a.kernel) != "random":
     why = f"kernel {a.kernel!r} has no random projection"
     unused.update({f"attention.{k}": why for k in ("num_features", "projection", "redraw_every")})

@@ -84,6 +84,16 @@ def _overlap(a: str, b: str) -> bool:
   return a == b or a.startswith(b + ".") or b.startswith(a + ".")
 
 
+def check_overrides_read(unread: dict, overrides: dict) -> None:
+  """Stops on a command-line value that the study will not read: ``unread`` is {dotted field: why} (a field
+  covers the fields under it)."""
+  for field, value in overrides.items():
+    for name, why in unread.items():
+      if field == name or field.startswith(name + "."):
+        raise ValueError(f"--config.{field}={value!r} is read by nothing this run does ({why}): drop it, or "
+                         "set the fields that make it apply")
+
+
 def check_overrides(config, overrides: dict) -> None:
   """Stops when a command-line value would be replaced by a variant that is to run.
 

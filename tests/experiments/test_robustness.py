@@ -1,4 +1,5 @@
-"""The training plumbing under misuse: conflicting overrides, bad work directories, damaged checkpoints."""
+"""The experiments under misuse: conflicting or unread overrides, bad values, bad work directories, damaged
+checkpoints."""
 
 import copy
 import errno
@@ -16,7 +17,7 @@ import jax
 import numpy as np
 import pytest
 
-from experiments import main, sweep, tasks, training
+from experiments import main, sweep, tasks, timing, training
 from experiments.configs import activations as activations_config
 from experiments.configs import backward_compat as backward_compat_config
 from experiments.configs import common
@@ -36,8 +37,11 @@ def nothing_trains(monkeypatch):
 
 
 def command_line(config, overrides):
-  """``config`` as ``--config.FIELD=VALUE`` flags leave it (config_flags sets them before main.run)."""
-  return common.set_fields(config, overrides), overrides
+  """``config`` as ``--config.FIELD=VALUE`` flags leave it (config_flags sets them, then main.run gets the
+  config locked: no field may be added or deleted)."""
+  config = common.set_fields(config, overrides)
+  config.lock()
+  return config, overrides
 
 
 # --- command-line overrides and variants -----------------------------------------------------------------
@@ -412,3 +416,89 @@ def test_block_sweep_choices_are_checked_up_front(fields, message, monkeypatch):
   monkeypatch.setattr(blocks.speed, "median_seconds", lambda *a, **k: pytest.fail("timed despite bad input"))
   with pytest.raises(ValueError, match=message):
     blocks.run(common.set_fields(blocks_config.get_config("quick"), fields), progress=lambda m: None)
+
+
+# --- every config as the command line gives it; unread study fields; bad benchmark values ------------------
+
+CONFIG_FILES = sorted(f[:-3] for f in os.listdir(os.path.join(REPO, "experiments", "configs"))
+                      if f.endswith(".py") and f not in ("__init__.py", "common.py"))
+
+
+@pytest.mark.parametrize("name", CONFIG_FILES)
+@pytest.mark.parametrize("arg", [None, "quick"])
+def test_every_config_passes_its_checks_locked_as_the_command_line_gives_it(name, arg, nothing_trains):
+  """config_flags locks the config: a study that adds or deletes a field fails from the command line only
+  (backward_compat's pretraining config did). ``main.prepare`` runs every check that needs no computation."""
+  config, _ = command_line(importlib.import_module(f"experiments.configs.{name}").get_config(arg), {})
+  main.prepare(config, {})
+  if config.experiment in ("speed", "blocks", "peers", "sequence_parallel", "tradeoff"):
+    timing.check_sizes(config)  # the benchmarks' size fields, checked when their run starts
+
+
+@pytest.mark.parametrize("config_name,overrides,why", [
+    ("activations", {"estimators": ("favor+", "hyperbolic"), "fit_steps": 3}, "no fitted estimator"),
+    ("activations", {"estimators": ("hedgehog (fitted)",), "num_draws": 5}, "no randomly drawn estimator"),
+    ("activations", {"model.quick": False}, "a label of the config file"),
+    ("approximation", {"kernels": ("taylor",), "num_draws": 9}, "no kernel in config.kernels=('taylor',) takes"),
+    ("blocks", {"pallas_chunks": (), "num_warps": (2,)}, "config.pallas_chunks is empty"),
+    ("speed", {"methods": ("softmax",), "scan_max_len": 5}, "'favor_scan' is not in config.methods"),
+    ("peers", {"causal": (False,), "causal_seq_lens": (64,)}, "True is not in config.causal"),
+    ("peers", {"causal": (True,), "seq_lens": (64,)}, "False is not in config.causal"),
+    ("backward_compat", {"finetune.distill_steps": 7}, "no selected variant has a learned feature map"),
+    ("tiny", {"mesh.fsdp": True}, "mesh.data is 1"),
+])
+def test_a_study_field_the_config_leaves_unread_stops_the_command(config_name, overrides, why, nothing_trains):
+  module = importlib.import_module(f"experiments.configs.{config_name}")
+  config, overrides = command_line(module.get_config("quick"), overrides)
+  field, value = list(overrides.items())[-1]
+  with pytest.raises(ValueError, match=rf"--config.{re.escape(field)}={re.escape(repr(value))} is read by "
+                                       rf"(nothing this run does|none of the runs) \(.*{re.escape(why)}"):
+    main.prepare(config, overrides)
+
+
+def test_the_same_fields_apply_where_the_config_reads_them(nothing_trains):
+  for config_name, overrides in [("activations", {"fit_steps": 3}), ("speed", {"scan_max_len": 5}),
+                                 ("backward_compat", {"only": "hedgehog", "finetune.distill_steps": 7}),
+                                 ("blocks", {"num_warps": (2,)})]:
+    module = importlib.import_module(f"experiments.configs.{config_name}")
+    config, overrides = command_line(module.get_config("quick"), overrides)
+    main.prepare(config, overrides)
+
+
+@pytest.mark.parametrize("field", ["experiment", "config_name"])
+def test_the_config_files_labels_cannot_be_overridden(field, nothing_trains):
+  config, overrides = command_line(tiny_config.get_config(), {field: "speed"})
+  with pytest.raises(ValueError, match=rf"--config.{field}='speed' cannot take effect"):
+    main.prepare(config, overrides)
+
+
+@pytest.mark.parametrize("config_name,overrides,message", [
+    ("speed", {"heads": 0}, r"config.heads must be an int >= 1, got 0"),
+    ("speed", {"causal": (2,)}, r"config.causal must be a tuple of one or more of True, False, got \(2,\)"),
+    ("speed", {"causal": ()}, r"config.causal must be a tuple of one or more"),
+    ("speed", {"seq_lens": (-64,)}, r"config.seq_lens must be a tuple of ints >= 1"),
+    ("speed", {"dtype": "foo"}, r"config.dtype must be one of"),
+    ("speed", {"scan_max_len": -5}, r"config.scan_max_len must be an int >= 0"),
+    ("blocks", {"batch": 0}, r"config.batch must be an int >= 1"),
+    ("blocks", {"seq_lens": ()}, r"config.seq_lens must be a tuple of ints >= 1 \(one or more\)"),
+    ("sequence_parallel", {"devices": 0}, r"config.devices must be an int >= 1"),
+    ("sequence_parallel", {"causal": ()}, r"config.causal must be a tuple of one or more"),
+    ("tradeoff", {"timing_steps": -3}, r"config.timing_steps must be an int >= 1"),
+    ("tradeoff", {"long_length": -5}, r"config.long_length must be an int >= 0"),
+    ("approximation", {"settings": ()}, r"config.settings must list at least one"),
+    ("approximation", {"settings": (("seed", 64, 32),)}, r"config.settings must hold \(name, sequence length"),
+    ("approximation", {"settings": (("seed", 64, 32, "big"),)}, r"input scale must be a finite number > 0"),
+    ("approximation", {"seed": -1}, r"config.seed must be an int >= 0"),
+    ("activations", {"estimators": ("hyperbolic",), "features": (1,)}, r"estimator 'hyperbolic' needs F >= 2"),
+])
+def test_bad_study_values_are_named_before_anything_runs(config_name, overrides, message, tmp_path, monkeypatch,
+                                                         nothing_trains):
+  """Each stops the command naming the field, before a computation (the study's first step fails the test)."""
+  import jax.random
+
+  module = importlib.import_module(f"experiments.configs.{config_name}")
+  config, overrides = command_line(module.get_config("quick"), overrides)
+  monkeypatch.setattr(jax.random, "normal", lambda *a, **k: pytest.fail("computed despite bad input"))
+  monkeypatch.setattr(jax.random, "PRNGKey", lambda *a, **k: pytest.fail("computed despite bad input"))
+  with pytest.raises(ValueError, match=message):
+    main.run(config, str(tmp_path / "out"), overrides)
