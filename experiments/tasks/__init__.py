@@ -53,8 +53,14 @@ def is_causal(task: str) -> bool:
 
 
 def check_data(config) -> None:
-  """Rejects bad ``config.data`` values with a message naming the field (before anything is built)."""
-  _module(config.task).check_data(config.data)
+  """Rejects bad ``config.data`` values with a message naming the field (before anything is built), and a
+  ``config.data`` that lacks the task's fields (the task changed without its data block)."""
+  module = _module(config.task)
+  try:
+    module.check_data(config.data)
+  except (KeyError, AttributeError) as e:
+    raise ValueError(f"task {config.task!r} reads a data field this config lacks ({e}): a task's data block "
+                     f"comes with its config file; run experiments/configs/{config.task}.py instead") from None
 
 
 def positive_int(name: str, value) -> None:

@@ -465,6 +465,12 @@ def test_the_same_fields_apply_where_the_config_reads_them(nothing_trains):
     main.prepare(config, overrides)
 
 
+def test_a_task_without_its_data_fields_is_named(nothing_trains):
+  config, overrides = command_line(tiny_config.get_config(), {"task": "listops"})
+  with pytest.raises(ValueError, match=r"task 'listops' reads a data field this config lacks .*max_depth"):
+    main.prepare(config, overrides)
+
+
 @pytest.mark.parametrize("field", ["experiment", "config_name"])
 def test_the_config_files_labels_cannot_be_overridden(field, nothing_trains):
   config, overrides = command_line(tiny_config.get_config(), {field: "speed"})
