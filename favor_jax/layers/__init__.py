@@ -308,8 +308,9 @@ def check_qk_transform(qk_transform, *, decode) -> None:
 
 
 def transform_qk(qk_transform, query, key):
-  """``qk_transform(query, key)``, checked: a pair of floating arrays with the shapes it was given; the pair
-  unchanged when ``qk_transform`` is None."""
+  """``qk_transform(query, key)``, checked: a pair of floating arrays with the shapes it was given, none of a
+  narrower dtype (rounding them silently would change the output); the pair unchanged when ``qk_transform``
+  is None."""
   if qk_transform is None:
     return query, key
   out = qk_transform(query, key)
@@ -324,6 +325,9 @@ def transform_qk(qk_transform, query, key):
     if tuple(new.shape) != tuple(given.shape):
       raise ValueError(f"qk_transform must keep the shapes it is given; its {name} has shape "
                        f"{tuple(new.shape)}, needs {tuple(given.shape)}")
+    if jnp.finfo(dtype).eps > jnp.finfo(given.dtype).eps:  # a wider dtype is taken (features are float32)
+      raise TypeError(f"qk_transform must not round what it is given to a narrower dtype; its {name} is "
+                      f"{jnp.dtype(dtype).name}, given {jnp.dtype(given.dtype).name}")
   return tuple(out)
 
 

@@ -155,12 +155,16 @@ def test_arguments_a_kernel_cannot_use_are_refused_by_name():
                     (lambda q, k: None, TypeError, r"must return a pair \(query, key\), got NoneType"),
                     (lambda q, k: (q[:, :4], k), ValueError, r"its query has shape \(2, 4, 2, 8\), needs \(2, 9"),
                     (lambda q, k: (q, k[..., :4]), ValueError, r"its key has shape \(2, 9, 2, 4\), needs"),
-                    (lambda q, k: (q, k.astype(jnp.int32)), TypeError, r"floating arrays; its key is .* int32")]
+                    (lambda q, k: (q, k.astype(jnp.int32)), TypeError, r"floating arrays; its key is .* int32"),
+                    (lambda q, k: (q.astype(jnp.bfloat16), k), TypeError,
+                     r"narrower dtype; its query is bfloat16, given float32")]
   for transform, error, message in bad_transforms:  # checked where it is called: Linen's init, NNX's call
     with pytest.raises(error, match="qk_transform .*" + message):
       init(qk_transform=transform)
     with pytest.raises(error, match="qk_transform .*" + message):
       _nnx_layer(qk_transform=transform)(x)
+  widen = lambda q, k: (q.astype(jnp.float32), k.astype(jnp.float32))  # a bfloat16 layer's transform in float32
+  assert init(qk_transform=widen, dtype=jnp.bfloat16)  # is taken: nothing is rounded
   layer = _nnx_layer(causal=True, mesh=mesh, sequence_axis="seq")  # decode asked for at call time
   with pytest.raises(ValueError, match=r"decode=True is token by token; it cannot be sequence-parallel"):
     layer(x, decode=True)
