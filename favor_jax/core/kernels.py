@@ -96,6 +96,7 @@ class Kernel:
   needs_projection: bool = True
   takes_projection: bool = True  # False: its features use none, and one given is refused (not ignored)
   learned: bool = False  # the projection is a trained parameter (initialised to the identity), not a draw
+  positive_weights: bool = True  # φ(q)ᵀφ(k) > 0 for every q, k (False: a weight can be 0 or negative)
   # A statistic of the inputs the features depend on: the keyword that passes it (FAVOR++: "rho"), and
   # the function computing it from (query, key, key_mask, query_mask) over the whole sequence, which causal
   # attention must not do (it would let later keys shape earlier outputs): causal callers pass it. Masked
@@ -381,10 +382,11 @@ def _hedgehog(query: Float[Array, "... Lq H D"], key: Float[Array, "... Lk H D"]
 
 positive = Kernel("positive", _positive, lambda m, d: m, estimates_softmax=True)
 hyperbolic = Kernel("hyperbolic", _hyperbolic, lambda m, d: 2 * m, estimates_softmax=True)
-trigonometric = Kernel("trigonometric", _trigonometric, lambda m, d: 2 * m, estimates_softmax=True)
+trigonometric = Kernel("trigonometric", _trigonometric, lambda m, d: 2 * m, estimates_softmax=True,
+                       positive_weights=False)
 optimal_positive = Kernel("optimal_positive", _optimal_positive, lambda m, d: m, estimates_softmax=True,
                           statistic="rho", compute_statistic=oprf_rho)
-relu = Kernel("relu", _relu, lambda m, d: m, estimates_softmax=False)
+relu = Kernel("relu", _relu, lambda m, d: m, estimates_softmax=False, positive_weights=False)
 elu_plus_one = Kernel("elu_plus_one", _elu_plus_one, lambda m, d: d, estimates_softmax=False,
                       needs_projection=False, takes_projection=False)
 taylor = Kernel("taylor", _taylor, _taylor_features, estimates_softmax=False, needs_projection=False)

@@ -56,6 +56,7 @@ def attention_weights(
     window: int = 0,
     rho: Float[Array, "... H"] | Float[Array, "... H D+1"] | None = None,
     query_mask: Bool[Array, "... Lq"] | None = None,
+    log: bool = False,
 ) -> Float[Array, "... H Lq Lk"]:
   """The normalised weights A [..., H, Lq, Lk] with out = A v, as the attention functions compute them.
 
@@ -67,7 +68,10 @@ def attention_weights(
   ``causal``, unmasked); a row that sees none is 0. Computed in log domain, so
   no weight underflows because another key of its row is far larger.
   ``rho`` and ``query_mask`` (the queries a data-dependent kernel's statistic
-  averages over) are as in :func:`favor_attention`.
+  averages over) are as in :func:`favor_attention`. ``log=True``: log A, normalised
+  in log domain, so a weight below float32's range keeps its log (−inf where A
+  is 0); for weights that are never negative (a kernel whose record says
+  ``positive_weights``; a row with a negative weight is NaN).
   """
   checks.check_qk(query, key)
   checks.check_lengths(query, key)
@@ -96,6 +100,11 @@ def attention_weights(
       near = (jnp.abs(gap) < window) & ((gap >= 0) if causal else True)
       log_w, sign = jnp.where(near, exact, log_w), jnp.where(near, 1.0, sign)
   log_w = jnp.where(allowed, log_w, -jnp.inf)
+  if log:
+    total = jax.nn.logsumexp(log_w, axis=-1, keepdims=True)
+    out = jnp.where(jnp.isfinite(total), log_w - jnp.where(jnp.isfinite(total), total, 0.0), -jnp.inf)
+    out = jnp.where(jnp.any(allowed & (sign < 0), axis=-1, keepdims=True), jnp.nan, out)
+    return out.reshape(batch + out.shape[1:])
   peak = jax.lax.stop_gradient(jnp.max(log_w, axis=-1, keepdims=True))
   w = sign * jnp.exp(log_w - shared.finite_or_zero(peak))
   out = shared.divide(w, jnp.sum(w, axis=-1))

@@ -439,6 +439,7 @@ def distillation_loss(
     kernel="hedgehog",
     causal: bool = False,
     key_mask: Bool[Array, "... L"] | None = None,
+    rho: Float[Array, "... H"] | Float[Array, "... H D+1"] | None = None,
 ) -> Float[Array, ""]:
   """Hedgehog's distillation loss (Zhang et al. 2024): the cross-entropy of each row of the kernel's
   attention weights against softmax's,
@@ -452,15 +453,23 @@ def distillation_loss(
   ``feature_map`` gets a gradient, so ``jax.grad`` with respect to it drives a
   plain optax loop; the fitted map is then the hedgehog layer's ``feature_map``
   parameter. The loss minus softmax's entropy is the mean KL divergence, ≥ 0,
-  0 when the weights match.
+  0 when the weights match. log A is taken in log domain (a weight below float32's
+  range keeps its log), so the kernel's weights must be positive: kernels whose
+  weights can be 0 or negative (``relu``, ``trigonometric``) are refused. ``rho``: a
+  data-dependent kernel's statistic, as in :func:`core.attention_weights`.
   """
   if kernel == "softmax":
     raise ValueError("kernel must be a feature map to fit to softmax, got 'softmax'")
+  record = core.get_kernel(kernel)
+  if isinstance(record, core.kernels.Kernel) and not record.positive_weights:
+    raise ValueError(f"kernel {record.name!r} has weights that can be 0 or negative, where the cross-entropy "
+                     "against softmax is infinite or undefined: distil a kernel with positive weights")
   query, key = jax.lax.stop_gradient(query), jax.lax.stop_gradient(key)
   target = jax.lax.stop_gradient(
       core.attention_weights(query, key, kernel="softmax", causal=causal, key_mask=key_mask))
-  weights = core.attention_weights(query, key, feature_map, kernel=kernel, causal=causal, key_mask=key_mask)
+  log_weights = core.attention_weights(query, key, feature_map, kernel=kernel, causal=causal, key_mask=key_mask,
+                                       rho=rho, log=True)
   seen = target > 0
-  cross = -jnp.sum(jnp.where(seen, target * jnp.log(jnp.where(seen, weights, 1.0)), 0.0), axis=-1)
+  cross = -jnp.sum(jnp.where(seen, target * jnp.where(seen, log_weights, 0.0), 0.0), axis=-1)
   rows = jnp.any(seen, axis=-1)
   return jnp.sum(jnp.where(rows, cross, 0.0)) / jnp.maximum(jnp.sum(rows), 1)

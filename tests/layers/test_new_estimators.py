@@ -573,3 +573,29 @@ def test_distillation_loss_honours_causal_and_key_mask_and_refuses_softmax():
   np.testing.assert_allclose(causal, np.mean(np.stack(rows)), rtol=1e-5)
   with pytest.raises(ValueError, match="kernel must be a feature map to fit to softmax, got 'softmax'"):
     layers.distillation_loss(q, k, w, kernel="softmax")
+
+
+def test_distillation_loss_keeps_weights_below_float32s_range_and_refuses_signed_kernels():
+  """×10 inputs: FAVOR+'s weights of far keys fall below float32's range (log A down to ~−300), and log A
+  taken after the weights gave inf (audit); in log domain it equals a float64 reference. Kernels whose
+  weights can be 0 or negative have no cross-entropy against softmax and are refused."""
+  q, k = (10.0 * jax.random.normal(key, (B, L, H, D)) for key in jax.random.split(jax.random.PRNGKey(2), 2))
+  w = core.orthogonal_projection(jax.random.PRNGKey(3), 16, D)
+  x, y, w64 = (np.asarray(a, np.float64) for a in (q * D**-0.25, k * D**-0.25, w))
+  log_phi = lambda z: np.einsum("md,blhd->blhm", w64, z) - 0.5 * np.sum(z * z, -1, keepdims=True)
+  terms = log_phi(x)[:, :, None] + log_phi(y)[:, None]  # [B, t, j, H, M]
+  peak = terms.max(-1, keepdims=True)
+  log_a = (peak[..., 0] + np.log(np.exp(terms - peak).sum(-1))).transpose(0, 3, 1, 2)  # [B, H, t, j]
+  log_a = log_a - np.logaddexp.reduce(log_a, axis=-1, keepdims=True)
+  logits = np.einsum("bthd,bjhd->bhtj", np.asarray(q, np.float64), np.asarray(k, np.float64)) / np.sqrt(D)
+  soft = np.exp(logits - logits.max(-1, keepdims=True))
+  soft /= soft.sum(-1, keepdims=True)
+  assert np.min(log_a) < -200  # far below float32's smallest weight (e^-103)
+  want = np.mean(-np.sum(soft * log_a, -1))
+  got = layers.distillation_loss(q, k, w, kernel="positive")
+  np.testing.assert_allclose(got, want, rtol=1e-4)
+  np.testing.assert_allclose(core.attention_weights(q, k, w, kernel="positive", log=True), log_a,
+                             atol=1e-3 * np.max(np.abs(log_a)))
+  for name in ("relu", "trigonometric"):
+    with pytest.raises(ValueError, match=f"kernel '{name}' has weights that can be 0 or negative"):
+      layers.distillation_loss(q, k, w, kernel=name)
