@@ -66,7 +66,8 @@ def attention_weights(
   the keys within the window get the exact exp(q·k/√d) instead
   (:func:`hybrid_attention`). Rows sum to 1 over the keys they may see (j ≤ t if
   ``causal``, unmasked); a row that sees none is 0. Computed in log domain, so
-  no weight underflows because another key of its row is far larger.
+  a weight is as exact as float32 holds it however far apart its row's terms
+  are (one below float32's range is 0; ``log=True`` keeps its log).
   ``rho`` and ``query_mask`` (the queries a data-dependent kernel's statistic
   averages over) are as in :func:`favor_attention`. ``log=True``: log A, normalised
   in log domain, so a weight below float32's range keeps its log (−inf where A
