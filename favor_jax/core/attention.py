@@ -267,7 +267,7 @@ def _check_state(state, want):
         f"state is a {got}; these inputs need a {type(want).__name__} with shapes {leaves(want)} "
         "(flattened batch, heads, features, value size; window). Decode with the batch, heads, projection, "
         "value size and window the state was made for (favor_decode_init).")
-  dtypes = lambda s: [jnp.dtype(getattr(x, "dtype", None) or jnp.result_type(x)).name
+  dtypes = lambda s: [jnp.dtype(x.dtype if hasattr(x, "dtype") else jnp.result_type(x)).name
                       for x in jax.tree_util.tree_leaves(s)]
   if dtypes(state) != dtypes(want):  # e.g. a cache cast to bfloat16: its running max and sums rounded
     raise TypeError(f"state has leaves of dtypes {dtypes(state)}; favor_decode_init makes {dtypes(want)} "
