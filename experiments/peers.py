@@ -121,7 +121,7 @@ def approximation(config):
 
 def unread(config) -> dict:
   """{field: why}: each mode's lengths when that mode is not compared."""
-  modes = tuple(config.causal)
+  modes = tuple(config.causal) if isinstance(config.causal, (tuple, list)) else ()  # a bad one: named in run
   return {**({} if True in modes else {"causal_seq_lens": "True is not in config.causal"}),
           **({} if False in modes else {"seq_lens": "False is not in config.causal"})}
 
