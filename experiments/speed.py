@@ -227,8 +227,6 @@ def run(config, progress=print, workdir=None):
   check_timing(config)
   if config.memory_limit_gb < 0:
     raise ValueError(f"config.memory_limit_gb must be >= 0 (0: auto), got {config.memory_limit_gb!r}")
-  if isinstance(config.scan_max_len, bool) or not isinstance(config.scan_max_len, int) or config.scan_max_len < 0:
-    raise ValueError(f"config.scan_max_len must be an int >= 0, got {config.scan_max_len!r}")
   if config.memory not in ("process", "compiled"):
     raise ValueError(f"config.memory must be 'process' or 'compiled', got {config.memory!r}")
   unknown = [m for m in config.methods if m not in EXACT and m not in ESTIMATORS and m not in core.KERNELS]

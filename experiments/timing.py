@@ -21,11 +21,11 @@ def _int(x) -> bool:
 def check_sizes(config) -> None:
   """A benchmark's shape fields where the config has them, each named when bad, before anything is compiled
   or timed: those of ``SIZES``, ``seq_lens``/``causal_seq_lens`` (ints >= 1; seq_lens not empty), ``causal``
-  (one or more bools), ``dtype``, and ``seed``, ``threads``, ``long_length`` (ints >= 0)."""
+  (one or more bools), ``dtype``, and ``seed``, ``threads``, ``long_length``, ``scan_max_len`` (ints >= 0)."""
   for name in SIZES:
     if name in config and not (_int(config[name]) and config[name] >= 1):
       raise ValueError(f"config.{name} must be an int >= 1, got {config[name]!r}")
-  for name in ("seed", "threads", "long_length"):
+  for name in ("seed", "threads", "long_length", "scan_max_len"):
     if name in config and not (_int(config[name]) and config[name] >= 0):
       raise ValueError(f"config.{name} must be an int >= 0, got {config[name]!r}")
   for name in ("seq_lens", "causal_seq_lens"):
