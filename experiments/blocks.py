@@ -51,9 +51,7 @@ def unread(config) -> dict:
 
 def check(config) -> None:
   """The sweep's fields, named when bad, before the first configuration compiles."""
-  check_timing(config)
-  for length in config.seq_lens:
-    tasks.positive_int("config.seq_lens", length)
+  check_timing(config)  # seq_lens and the other sizes too
   for chunk in config.xla_chunks:
     tasks.positive_int("config.xla_chunks", chunk)
   for warps in config.num_warps:
