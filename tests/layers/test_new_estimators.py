@@ -575,6 +575,32 @@ def test_distillation_loss_honours_causal_and_key_mask_and_refuses_softmax():
     layers.distillation_loss(q, k, w, kernel="softmax")
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_distillation_loss_leaves_padded_queries_out(causal):
+  """query_mask: the padded rows (×100 and NaN here) are out of the mean (float64 reference on the real
+  queries), of the gradient (finite, as without them) and of a data-dependent kernel's statistic."""
+  q, k = (jax.random.normal(key, (B, L, H, D)) for key in jax.random.split(jax.random.PRNGKey(4), 2))
+  w, real = jnp.asarray(_identity(H)), 5
+  query_mask = jnp.broadcast_to(jnp.arange(L) < real, (B, L))
+  padded = jnp.where(query_mask[..., None, None], q, 100.0 * q).at[0, -1, 0, 0].set(jnp.nan)
+  ce = lambda s, h: -np.sum(s * np.log(h), -1)
+  rows = ([ce(*_weights_reference(q[:, t:t + 1], k[:, :t + 1], w)) for t in range(real)] if causal
+          else [ce(*_weights_reference(q[:, :real], k, w))])
+  loss = lambda q, k, w, **kw: layers.distillation_loss(q, k, w, causal=causal, **kw)
+  got, grad = jax.value_and_grad(loss, argnums=2)(padded, k, w, query_mask=query_mask)
+  np.testing.assert_allclose(got, np.mean(np.concatenate(rows, axis=-1)), rtol=1e-5)
+  # Without padding (causal: the keys the real queries see; bidirectional: every key).
+  keys = k[:, :real] if causal else k
+  np.testing.assert_allclose(grad, jax.grad(loss, argnums=2)(q[:, :real], keys, w), rtol=1e-4, atol=1e-7)
+  if not causal:  # the statistic of FAVOR++ / FAVOR# from the real queries alone
+    for name in ("optimal_positive", "saderf"):
+      proj = core.orthogonal_projection(jax.random.PRNGKey(5), 16, D)
+      np.testing.assert_allclose(loss(padded, k, proj, kernel=name, query_mask=query_mask),
+                                 loss(q[:, :real], k, proj, kernel=name), rtol=1e-5)
+  with pytest.raises(TypeError, match="query_mask must be a boolean array"):
+    loss(q, k, w, query_mask=query_mask.astype(jnp.int32))
+
+
 def test_distillation_loss_keeps_weights_below_float32s_range_and_refuses_signed_kernels():
   """×10 inputs: FAVOR+'s weights of far keys fall below float32's range (log A down to ~−300), and log A
   taken after the weights gave inf (audit); in log domain it equals a float64 reference. Kernels whose
