@@ -57,12 +57,16 @@ def sequence_parallel_attention(
 ) -> Float[Array, "... L H Dv"]:
   """:func:`favor_attention` (same formula, kernels and stabiliser) with the sequence split over ``axis_name``.
 
+  A plain callable ``kernel`` (not a ``kernels.Kernel`` record) is called with ``stabilize=False`` here,
+  causal or not (each device sees part of the keys): its features must stay within float32's range
+  (see :func:`favor_attention`), where one device's bidirectional call stabilises them.
+
       out_t = Σ_j φ(q_t)ᵀφ(k_j) v_j / Σ_j φ(q_t)ᵀφ(k_j),  j over all unmasked keys (j ≤ t if ``causal``).
 
   Self-attention layout: query, key and value share the length L. An L that
   the axis size does not divide is padded at the end with masked keys (and the
   padded rows dropped), which changes no output. The result is sharded along
-  L over ``axis_name`` (replicated when L had to be padded on a mesh with
+  L over ``axis_name`` (not along L when L had to be padded on a mesh with
   explicit axes, which cannot shard such a length) and, with ``batch_axis``,
   the flattened batch over that axis (when its size divides the batch; the
   batch is replicated otherwise — the result is the same either way). A
@@ -72,7 +76,7 @@ def sequence_parallel_attention(
   (``jit``) even when called eagerly: ``shard_map`` executed op by op is far slower. Eager calls with the
   same shapes, mesh and choices reuse one compilation.
   """
-  devices = _check_axis(mesh, axis_name)
+  _check_axis(mesh, axis_name)
   if batch_axis is not None:
     _check_axis(mesh, batch_axis, "batch_axis")
     if batch_axis == axis_name:
@@ -93,32 +97,22 @@ def sequence_parallel_attention(
     jax.eval_shape(lambda q: kern.log_features(q, q, projection, **{kern.statistic: rho}), one)
   chunk_size = checks.check_chunk_size(chunk_size)
 
-  batch, length = query.shape[:-3], query.shape[-3]
+  batch = query.shape[:-3]
   q, k, v = (shared.flatten(x, batch) for x in (query, key, value))
   mask = shared.mask_NL(key_mask, key)
-  padded = -(-length // devices) * devices
-  q, k, v = (shared.pad_to(x, padded) for x in (q, k, v))
-  mask = shared.pad_to(mask, padded, False)
   rho_NH = shared.flat_rho(rho, query, kern)
   if batch_axis is not None and q.shape[0] % mesh.shape[batch_axis]:
     batch_axis = None  # a layout hint only: a batch the axis does not divide (e.g. at init) is replicated
   seq = P(batch_axis, axis_name)
   # q, k, v, mask split along the sequence (and batch); the projection on every device; ρ [N, H, ...] split
   # like the batch.
-  args, specs = (q, k, v, mask, projection, rho_NH), (seq,) * 4 + (P(), P(batch_axis))
-  explicit = jax.sharding.AxisType.Explicit in mesh.axis_types
-  if explicit:  # explicit meshes want inputs laid out as the specs say
-    args = [None if x is None else jax.reshard(x, NamedSharding(mesh, spec)) for x, spec in zip(args, specs)]
+  specs = (seq,) * 4 + (P(), P(batch_axis))
   try:
     hash(kern)
   except TypeError:  # e.g. a callable dataclass: a static argument must hash (compiled per call instead)
     kern = _ByIdentity(kern)
-  out = _sharded(*args, mesh=mesh, axis_name=axis_name, specs=specs, kern=kern, causal=causal,
-                 chunk_size=chunk_size)
-  if padded != length:
-    if explicit:  # an explicit sharding cannot describe a length the axis does not divide
-      out = jax.reshard(out, NamedSharding(mesh, P()))
-    out = out[:, :length]
+  out = _sharded(q, k, v, mask, projection, rho_NH, mesh=mesh, axis_name=axis_name, specs=specs, kern=kern,
+                 causal=bool(causal), chunk_size=chunk_size)
   return out.reshape(batch + out.shape[1:]).astype(shared.out_dtype(query, key, value))
 
 
@@ -131,9 +125,18 @@ class _ByIdentity:
 
 @functools.partial(jax.jit, static_argnames=("mesh", "axis_name", "specs", "kern", "causal", "chunk_size"))
 def _sharded(q, k, v, mask, projection, rho_NH, *, mesh, axis_name, specs, kern, causal, chunk_size):
-  """The per-device computation under ``shard_map``; compiled (once per shape and static choice) even when
-  the caller is eager: ``shard_map`` executed op by op is far slower."""
+  """The per-device computation under ``shard_map``, the padding of L to a multiple of the axis size and its
+  removal around it; compiled (once per shape and static choice) even when the caller is eager: ``shard_map``
+  executed op by op is far slower, and the padding's transpose on an explicit mesh needs the compiler."""
   kern = kern.kern if isinstance(kern, _ByIdentity) else kern
+  length = q.shape[1]
+  padded = -(-length // mesh.shape[axis_name]) * mesh.shape[axis_name]
+  q, k, v = (shared.pad_to(x, padded) for x in (q, k, v))
+  mask = shared.pad_to(mask, padded, False)
+  args = (q, k, v, mask, projection, rho_NH)
+  explicit = jax.sharding.AxisType.Explicit in mesh.axis_types
+  if explicit:  # explicit meshes want inputs laid out as the specs say
+    args = [None if x is None else jax.reshard(x, NamedSharding(mesh, spec)) for x, spec in zip(args, specs)]
 
   def local(q, k, v, mask, projection, rho_NH):
     # Row-local feature stabilisation only: a max over "all positions" would differ per device.
@@ -147,7 +150,12 @@ def _sharded(q, k, v, mask, projection, rho_NH, *, mesh, axis_name, specs, kern,
       out = bidirectional_lib.bidirectional(feature_fn, q, k, v, mask, axis_name=axis_name, divide=True)
     return shared.poison(out, bad)
 
-  return jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=specs[0])(q, k, v, mask, projection, rho_NH)
+  out = jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=specs[0])(*args)
+  if padded != length:
+    if explicit:  # an explicit sharding cannot describe a length the axis does not divide: the batch's stays
+      out = jax.reshard(out, NamedSharding(mesh, specs[-1]))
+    out = out[:, :length]
+  return out
 
 
 def communication_bytes(batch: int, heads: int, num_features: int, value_dim: int, devices: int,
@@ -156,8 +164,14 @@ def communication_bytes(batch: int, heads: int, num_features: int, value_dim: in
 
   Bidirectional: a ring all-reduce of Σφ(k)vᵀ, Σφ(k) and the key scales moves
   2·(devices−1)/devices of their size. Causal: an all-gather of every other
-  device's (μ, S) state.
+  device's (μ, S) state. Not counted: the collective of one flag per example and head (per device,
+  causal) that spreads a non-finite key or value's NaN.
   """
+  sizes = dict(batch=batch, heads=heads, num_features=num_features, value_dim=value_dim, devices=devices,
+               bytes_per_number=bytes_per_number)
+  batch, heads, num_features, value_dim, devices, bytes_per_number = (
+      checks.check_positive_int(name, x) for name, x in sizes.items())
+  checks.check_bool("causal", causal)
   state = batch * heads * num_features * (value_dim + 2)  # S: [F, Dv+1] and μ: [F]
   if causal:
     return (devices - 1) * state * bytes_per_number

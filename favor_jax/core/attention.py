@@ -123,7 +123,16 @@ def favor_attention(
   kernels this is an unbiased-kernel estimate of ``softmax_attention``.
 
   Keys are stabilised in log domain by a running maximum over past keys only,
-  so causal outputs never depend, even numerically, on later tokens.
+  so causal outputs never depend, even numerically, on later tokens. That holds
+  for ``kernels.Kernel`` records (every name in ``KERNELS``, or one of your own:
+  its log-features and facts, see ``kernels.py``). A plain callable gives its
+  features in linear domain, with its own stabiliser: it is called with
+  ``stabilize=True`` over the whole sequence when not causal, but causal passes
+  (and :func:`favor_jax.parallel.sequence_parallel_attention`, whose devices see
+  part of the keys) call it with ``stabilize=False`` (its stabiliser would look
+  ahead), so its features must stay within float32's range there: where they
+  underflow (e.g. exp(ωx − ‖x‖²/2) at large ‖x‖) rows come out 0 or wrong. Make
+  such a map a ``Kernel`` record.
   ``causal_method`` and ``chunk_size`` choose the causal pass (a value outside
   their range is refused either way); bidirectional attention has one pass,
   folding keys in blocks of its own, and reads neither (``"pallas"`` is

@@ -248,7 +248,8 @@ def cumsum(feature_fn, q, k, v, mask):
 
 def exponential_features(feature_fn, q, k) -> bool:
   """Whether φ = exp(log) with a log per feature and no multiplier, for queries and keys (what the fused
-  kernels take: positive, hyperbolic, FAVOR++, FAVOR#, Hedgehog, ELU+1; not trigonometric, ReLU, Taylor).
+  kernels take: of ``KERNELS``, positive, hyperbolic, FAVOR++, FAVOR#, Hedgehog, ELU+1 do; trigonometric, ReLU,
+  Taylor do not; a record of your own is read the same way).
   With no multiplier a log of width 1 is one feature (a one-row projection, ELU+1 with D = 1), not a
   per-row scale."""
   fq, fk = jax.eval_shape(feature_fn, q[:, :1], k[:, :1])

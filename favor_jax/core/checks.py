@@ -5,10 +5,20 @@ from __future__ import annotations
 import numbers
 
 import jax.numpy as jnp
+import numpy as np
+
+
+def check_bool(name: str, x) -> None:
+  """``x`` a bool (Python or NumPy): a string such as "False" or an int would be read by its truth value,
+  and an array cannot choose the computation's structure."""
+  if not isinstance(x, (bool, np.bool_)):
+    raise TypeError(f"{name} must be a bool (True or False), got {x!r} ({type(x).__name__})")
 
 
 def check_float(name: str, x) -> None:
-  dtype = jnp.asarray(x).dtype if not hasattr(x, "dtype") else x.dtype
+  if not (hasattr(x, "shape") and hasattr(x, "dtype")):
+    raise TypeError(f"{name} must be an array (jax or NumPy), got {type(x).__name__}")
+  dtype = x.dtype
   if not jnp.issubdtype(dtype, jnp.floating):
     raise TypeError(f"{name} must be a floating-point array, got dtype {dtype}")
 
@@ -97,11 +107,15 @@ def check_causal_lengths(query, key, what: str = "causal attention") -> None:
         f"(query shape {query.shape}) and Lk={key.shape[-3]} (key shape {key.shape})")
 
 
+def check_positive_int(name: str, x) -> int:
+  """``x`` as a Python int: any positive integer (numpy's too), never a bool."""
+  if isinstance(x, bool) or not isinstance(x, numbers.Integral) or x <= 0:
+    raise ValueError(f"{name} must be a positive int, got {x!r}")
+  return int(x)
+
+
 def check_chunk_size(chunk_size) -> int:
-  """chunk_size as a Python int: any positive integer (numpy's too), never a bool."""
-  if isinstance(chunk_size, bool) or not isinstance(chunk_size, numbers.Integral) or chunk_size <= 0:
-    raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
-  return int(chunk_size)
+  return check_positive_int("chunk_size", chunk_size)
 
 
 def check_causal_method(causal_method, choices, causal: bool = True) -> None:

@@ -325,8 +325,9 @@ def causal(feature_fn, q, k, v, mask, *, chunk_size: int = 64, blocks: Blocks | 
 
   The contract of :func:`favor_jax.core.causal.chunked` (both times the same per-row factor e^{−scale};
   ``return_scale`` adds the scale [N, L, H], −∞ where a row sees no key). The feature map must give
-  pure exponentials, φ = exp(log) with a log per feature (positive, hyperbolic, FAVOR++, FAVOR#,
-  Hedgehog, ELU+1); others (signed or polynomial features) raise ``ValueError``: use ``"chunked"``.
+  pure exponentials, φ = exp(log) with a log per feature (:func:`causal.exponential_features`, read off the
+  features: e.g. positive, hyperbolic, FAVOR++, FAVOR#, Hedgehog, ELU+1); others (signed or polynomial
+  features) raise ``ValueError``: use ``"chunked"``.
   ``fallback=False`` (tests only) returns the fused result even where rows lost their terms.
   """
   blocks = blocks_for(chunk_size) if blocks is None else blocks

@@ -156,6 +156,7 @@ def initial_state(feature_fn, q, k, v) -> RecurrentState:
 
 
 def validate(query, key, value, key_mask, causal, q_name="query", k_name="key", query_mask=None):
+  checks.check_bool("causal", causal)
   try:
     checks.check_qk(query, key)
   except (TypeError, ValueError) as e:

@@ -74,6 +74,8 @@ def attention_weights(
   is 0); for weights that are never negative (a kernel whose record says
   ``positive_weights``; a row with a negative weight is NaN).
   """
+  checks.check_bool("causal", causal)
+  checks.check_bool("log", log)
   checks.check_qk(query, key)
   checks.check_lengths(query, key)
   checks.check_key_mask(key_mask, key.shape)

@@ -64,6 +64,8 @@ DECODE_RUNS_CHUNKED = "decode=True (a prompt runs the chunked pass, a token one 
 def check_favor_args(*, num_features, kernel, projection, causal, decode, window=0, per_head_projection=None,
                      qk_head_dim=None, causal_method="auto") -> None:
   """The checks every FavorAttention layer (Linen and NNX) makes of its FAVOR arguments."""
+  core.checks.check_bool("causal", causal)
+  core.checks.check_bool("decode", decode)
   core.get_kernel(kernel)
   check_causal_method(causal_method, "window > 0 (hybrid attention)" if window else (
       DECODE_RUNS_CHUNKED if decode else None))
@@ -402,6 +404,7 @@ def make_attention_fn(
   unknown keywords with a non-default value raise instead of being ignored.
   """
   core.get_kernel(kernel)  # unknown names fail here, not at the first call
+  core.checks.check_bool("causal", causal)
   core.checks.check_window(window)
   check_causal_method(causal_method, "window > 0 (hybrid attention)" if window else None)
 

@@ -133,6 +133,52 @@ def test_a_bool_chunk_size_is_refused_by_decode():
     core.favor_decode_step(state, q, k, v, proj, chunk_size=True)
 
 
+CAUSAL_CALLS = {
+    **ATTENTIONS,
+    "hybrid": lambda q, k, v, causal: core.hybrid_attention(q, k, v, _proj(), window=3, causal=causal),
+    "weights": lambda q, k, v, causal: core.attention_weights(q, k, _proj(), kernel="positive", causal=causal),
+    "sequence_parallel": lambda q, k, v, causal: parallel.sequence_parallel_attention(
+        q, k, v, _proj(), mesh=jax.make_mesh((1,), ("seq",)), axis_name="seq", causal=causal),
+}
+
+
+@pytest.mark.parametrize("which", sorted(CAUSAL_CALLS))
+@pytest.mark.parametrize("causal", ["False", 1, None, np.array(True), jnp.array(False)])
+def test_causal_that_is_not_a_bool_is_refused(which, causal):
+  """"False" read by its truth value ran causal attention; an array could not choose the pass (and under
+  sequence parallelism failed as an unhashable static argument, naming nothing)."""
+  q, k, v = _qkv()
+  with pytest.raises(TypeError, match=re.escape(f"causal must be a bool (True or False), got {causal!r}")):
+    CAUSAL_CALLS[which](q, k, v, causal)
+
+
+@pytest.mark.parametrize("which", sorted(CAUSAL_CALLS))
+def test_a_numpy_bool_causal_is_a_bool(which):
+  q, k, v = _qkv()
+  np.testing.assert_array_equal(CAUSAL_CALLS[which](q, k, v, np.bool_(True)), CAUSAL_CALLS[which](q, k, v, True))
+
+
+@pytest.mark.parametrize("argument", ["query", "key", "value"])
+@pytest.mark.parametrize("bad", [[[1.0]], 1.0])
+def test_inputs_that_are_not_arrays_are_named(argument, bad):
+  q, k, v = _qkv()
+  args = dict(query=q, key=k, value=v) | {argument: bad}
+  for attend in (core.softmax_attention, functools.partial(core.favor_attention, projection=_proj())):
+    with pytest.raises(TypeError, match=re.escape(f"{argument} must be an array (jax or NumPy), got "
+                                                  f"{type(bad).__name__}")):
+      attend(**args)
+
+
+def test_communication_bytes_refuses_sizes_it_cannot_count():
+  sizes = dict(batch=1, heads=8, num_features=256, value_dim=64, devices=8, causal=True)
+  assert parallel.communication_bytes(**sizes) == 7 * 8 * 256 * 66 * 4  # 7 other devices' (μ, S)
+  for field, bad in [("devices", 0), ("batch", -1), ("devices", 2.5), ("heads", True), ("bytes_per_number", 0)]:
+    with pytest.raises(ValueError, match=re.escape(f"{field} must be a positive int, got {bad!r}")):
+      parallel.communication_bytes(**(sizes | {field: bad}))
+  with pytest.raises(TypeError, match="causal must be a bool"):
+    parallel.communication_bytes(**(sizes | {"causal": "no"}))
+
+
 def _program(f, *args, **kwargs):
   """The traced computation (jaxpr) as text: equal programs give bit-identical results."""
   return str(jax.make_jaxpr(functools.partial(f, **kwargs))(*args))

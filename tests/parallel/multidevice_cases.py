@@ -100,6 +100,22 @@ def test_sequence_parallel_on_an_explicit_mesh_with_batch_sharding():
   assert out.sharding.spec[:2] == ("data", "seq")
 
 
+def test_an_eager_gradient_on_an_explicit_mesh_pads_a_length_the_axis_does_not_divide():
+  """L=13 over 4 devices under ``jax.set_mesh``: the eager gradient failed (the padding's transpose on a
+  sharded axis, outside the compiled part); the batch keeps its sharding on the padded path."""
+  q, k, v, w, mask = _inputs(length=13, batch=2)
+  mesh = jax.make_mesh((2, 4), ("data", "seq"), axis_types=(AxisType.Explicit,) * 2)
+  for causal in (False, True):
+    split = lambda q: parallel.sequence_parallel_attention(q, k, v, w, mesh=mesh, axis_name="seq",
+                                                           batch_axis="data", causal=causal, key_mask=mask)
+    single = lambda q: core.favor_attention(q, k, v, w, causal=causal, key_mask=mask)
+    with jax.set_mesh(mesh):
+      out, grad = split(q), jax.grad(lambda q: jnp.sum(split(q) ** 2))(q)
+    np.testing.assert_allclose(out, single(q), atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(grad, jax.grad(lambda q: jnp.sum(single(q) ** 2))(q), atol=1e-5, rtol=1e-5)
+    assert out.sharding.spec[0] == "data"
+
+
 @pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit])
 def test_favor_plus_plus_with_batch_sharding_splits_rho_like_the_batch(axis_type):
   """ρ [B, H] travels with its examples: each device pairs its batch rows with their own ρ."""
