@@ -8,6 +8,8 @@ D are coupled (orthogonal or simplex directions) to reduce variance.
 
 from __future__ import annotations
 
+import numbers
+
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, PRNGKeyArray
@@ -18,8 +20,8 @@ __all__ = ["iid_gaussian_projection", "orthogonal_projection", "simplex_projecti
 
 def _check_sizes(num_features, dim):
   for name, value in (("num_features", num_features), ("dim", dim)):
-    if isinstance(value, bool) or not isinstance(value, int):
-      raise TypeError(f"{name} must be a Python int, got {type(value).__name__}")
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+      raise TypeError(f"{name} must be an int (Python or NumPy), got {type(value).__name__}")
     if value <= 0:
       raise ValueError(f"{name} must be positive, got {value}")
 

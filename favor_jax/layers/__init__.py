@@ -16,10 +16,12 @@ random projection (``favor`` collection, redrawable), a learned ``feature_map``
 from __future__ import annotations
 
 import contextlib
+import numbers
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Bool, Float
 
 from favor_jax import core, parallel
@@ -53,7 +55,7 @@ def per_head(kernel, per_head_projection) -> bool:
 
 
 def _check_optional_size(name, value) -> None:
-  if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+  if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0):
     raise ValueError(f"{name} must be a positive int or None, got {value!r}")
 
 
@@ -81,7 +83,7 @@ def check_favor_args(*, num_features, kernel, projection, causal, decode, window
       if value is not None:
         raise ValueError(f"kernel {kernel!r} {what}, so {name} has no meaning for it; got {name}={value!r}: "
                          "leave it None")
-  if per_head_projection not in (None, True, False):
+  if per_head_projection is not None and not isinstance(per_head_projection, (bool, np.bool_)):
     raise ValueError(f"per_head_projection must be None, True or False, got {per_head_projection!r}")
   if role == "none" and per_head_projection:
     raise ValueError(f"per_head_projection=True: kernel {kernel!r} uses no projection to make per head")
@@ -145,7 +147,7 @@ def redraw_due(step, every: int):
 
   Works on a traced ``step``, so a jitted train step compiles once.
   """
-  if not isinstance(every, int) or every < 0:
+  if isinstance(every, bool) or not isinstance(every, numbers.Integral) or every < 0:
     raise ValueError(f"redraw every must be a non-negative int, got {every!r}")
   if every == 0:
     return jnp.asarray(False)
@@ -245,7 +247,7 @@ def rho_momentum(rho_momentum, kernel, causal: bool) -> float | None:
     raise ValueError(f"rho_momentum={rho_momentum!r} weighs a running statistic, which only a causal layer of "
                      f"a data-dependent kernel keeps (one of {core.kernels.data_dependent_names()}); this layer "
                      f"(kernel={kernel!r}, causal={causal}) keeps none: drop rho_momentum")
-  if isinstance(rho_momentum, bool) or not isinstance(rho_momentum, (int, float)) or not 0 <= rho_momentum <= 1:
+  if isinstance(rho_momentum, bool) or not isinstance(rho_momentum, numbers.Real) or not 0 <= rho_momentum <= 1:
     raise ValueError(f"rho_momentum must be a float in [0, 1] (the running statistic's weight on its past), "
                      f"got {rho_momentum!r}")
   return rho_momentum
@@ -283,17 +285,24 @@ def updated_statistic(kernel, running, query, key, key_mask, momentum: float, qu
   """Exponential moving average of ``kernel``'s statistic with this batch's mean one (no gradient; over the
   unmasked keys and the queries of ``query_mask``).
 
-  The kernel record computes the statistic per batch element; its mean over the batch dims keeps
-  the running value's shape (FAVOR++'s ρ: [H]).
+  The kernel record computes the statistic per batch element; its mean over the batch elements that hold a
+  real query and an unmasked key keeps the running value's shape (FAVOR++'s ρ: [H]). An element that is all
+  padding has no statistic and is left out (it would pull the mean towards 0); a batch of such elements
+  leaves the running value as it was.
   """
   batch_stat = jax.lax.stop_gradient(_statistic_of(kernel, query, key, key_mask, query_mask))
-  batch_dims = tuple(range(query.ndim - 3))
+  batch = query.shape[:-3]
+  batch_dims = tuple(range(len(batch)))
+  present = lambda mask: jnp.ones(batch, bool) if mask is None else jnp.broadcast_to(jnp.any(mask, -1), batch)
+  real_B = present(query_mask) & present(key_mask)
+  count = jnp.sum(real_B)
 
   def step(old, new):
-    new = jnp.mean(new.astype(jnp.float32), axis=batch_dims)
+    real = real_B.reshape(batch + (1,) * (new.ndim - len(batch)))
+    new = jnp.sum(jnp.where(real, new.astype(jnp.float32), 0.0), axis=batch_dims) / jnp.maximum(count, 1)
     if new.shape != old.shape:
       raise ValueError(f"the running statistic has shape {old.shape}, this batch's has {new.shape}")
-    return momentum * old + (1 - momentum) * new
+    return jnp.where(count > 0, momentum * old + (1 - momentum) * new, old)
 
   return jax.tree.map(step, running, batch_stat)
 
@@ -400,7 +409,9 @@ def make_attention_fn(
   honoured (no query padding is known here: a data-dependent kernel's statistic
   averages over every query, padded ones included; the layers leave them out);
   ``causal=True`` here or ``is_causal=True`` from NNX gives causal
-  attention; full masks, ``bias``, attention dropout, ``sow_weights`` and
+  attention (Flax's own decode cache passes one query against the cached keys
+  under a causal mask: decode through it with ``causal=False`` and no window);
+  full masks, ``bias``, attention dropout, ``sow_weights`` and
   unknown keywords with a non-default value raise instead of being ignored.
   """
   core.get_kernel(kernel)  # unknown names fail here, not at the first call
@@ -425,6 +436,14 @@ def make_attention_fn(
     if bad:
       raise ValueError(f"FAVOR attention_fn cannot honour the keyword arguments {sorted(bad)}")
     check_dropout(dropout_rate, deterministic)
+    core.checks.check_bool("is_causal", is_causal)
+    if (causal or is_causal or window) and query.shape[-3] != key.shape[-3]:
+      raise ValueError(
+          f"{'causal attention' if causal or is_causal else f'window={window}'} needs as many queries as keys, "
+          f"got {query.shape[-3]} queries and {key.shape[-3]} keys. Decoding with Flax's own cache (decode=True) "
+          "passes one query against the cached keys with a mask that is already causal: decode with an "
+          "attention_fn made with causal=False (and window=0), or use favor_jax's FavorAttention layers, "
+          "whose decode keeps a constant-size state.")
     with precision_scope(precision):
       out = attend(query, key, value, projection, window=window, kernel=kernel,
                    causal=bool(causal or is_causal), key_mask=key_mask_from_flax(mask, key), rho=rho,

@@ -20,11 +20,13 @@ Variables besides ``params``:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Mapping
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from flax.core import FrozenDict
 from jax import Array
 from jax.sharding import Mesh
 
@@ -36,9 +38,10 @@ __all__ = ["FavorAttention", "redraw"]
 def redraw(variables, key, due=True):
   """New variables with every FavorAttention projection redrawn (independently per layer) where ``due``.
 
-  Per-head projections [H, M, D] get H independent draws. Learned feature maps
+  Per-head projections [H, M, D] get H independent draws. Layers stacked by ``nn.scan`` (their
+  projections [layers..., M, D]) get one independent draw per layer. Learned feature maps
   (``params``) are never touched. Pure and jit-friendly: ``due`` may be traced
-  (see ``layers.redraw_due``).
+  (see ``layers.redraw_due``). ``variables`` a ``FrozenDict``: so is the result (a carry keeps its type).
   """
   favor = variables.get("favor")
   if favor is None:
@@ -52,16 +55,26 @@ def redraw(variables, key, due=True):
   counter = [0]
 
   def visit(tree):
-    if isinstance(tree, dict) and "projection" in tree and "projection_kind" in tree:
-      old = tree["projection"]
-      fresh = layers.redraw_projection(jax.random.fold_in(key, counter[0]), tree["projection_kind"], old)
+    if not isinstance(tree, Mapping):
+      return tree
+    if "projection" in tree and "projection_kind" in tree:
+      old, kind = tree["projection"], tree["projection_kind"]
+      layer_key = jax.random.fold_in(key, counter[0])
       counter[0] += 1
-      return {**tree, "projection": jnp.where(due, fresh, old)}
-    if isinstance(tree, dict):
-      return {k: visit(v) for k, v in sorted(tree.items())}
-    return tree
+      stacked = jnp.shape(kind)  # nn.scan stacks a layer's variables: one independent draw per stacked layer
+      draw = layers.redraw_projection
+      for _ in stacked:
+        draw = jax.vmap(draw)
+      if stacked:
+        keys = jax.random.split(layer_key, math.prod(stacked))
+        layer_key = keys.reshape(stacked + keys.shape[1:])
+      out = {**tree, "projection": jnp.where(due, draw(layer_key, kind, old), old)}
+    else:
+      out = {k: visit(v) for k, v in sorted(tree.items())}
+    return FrozenDict(out) if isinstance(tree, FrozenDict) else out
 
-  return {**variables, "favor": visit(dict(favor))}
+  out = {**variables, "favor": visit(favor)}
+  return FrozenDict(out) if isinstance(variables, FrozenDict) else out
 
 
 class FavorAttention(nn.MultiHeadDotProductAttention):
@@ -220,6 +233,11 @@ class FavorAttention(nn.MultiHeadDotProductAttention):
     fields = state_type._fields
     if not self.has_variable("cache", fields[0]):
       if not self.is_initializing():
+        other = [name for name in ("mu", "keys") if self.has_variable("cache", name)]
+        if other:  # a cache of the other kind: RecurrentState (window=0) vs HybridState (window > 0)
+          raise ValueError(f"the 'cache' collection holds a {'window=0' if other[0] == 'mu' else 'window > 0'} "
+                           f"state ({other[0]!r}), but this layer has window={self.window} (fields {fields}): "
+                           "build the cache with model.init(...) of this model (decode=True)")
         raise ValueError("decode=True needs the recurrent state: pass the 'cache' collection from "
                          "model.init(...) (with decode=True) in the variables, and mutable=['cache']")
       state = empty()

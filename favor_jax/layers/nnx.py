@@ -46,6 +46,10 @@ def redraw(model: nnx.Module, key, due=True) -> None:
   if not random:
     raise ValueError(f"redraw found no FavorAttention layer with a random projection: kernels "
                      f"{sorted({m.kernel for m in found})} have nothing to redraw")
+  if any(m.decode_state is not None for m in random):  # checked before any layer changes
+    raise ValueError("a layer holds a decode cache built with its current projection; a redraw would mix "
+                     "that state with new features. Call clear_cache() on the model first, then "
+                     "init_cache(...) again after the redraw.")
   for i, module in enumerate(random):
     module.redraw(jax.random.fold_in(key, i), due=due)
 

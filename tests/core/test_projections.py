@@ -68,8 +68,9 @@ def test_bad_sizes(make):
     make(key, 0, 4)
   with pytest.raises(ValueError, match="dim must be positive"):
     make(key, 4, -1)
-  with pytest.raises(TypeError, match="num_features must be a Python int"):
+  with pytest.raises(TypeError, match=r"num_features must be an int \(Python or NumPy\), got float"):
     make(key, 4.0, 4)
+  np.testing.assert_array_equal(make(key, np.int64(4), np.int32(4)), make(key, 4, 4))
 
 
 def test_bad_norms():

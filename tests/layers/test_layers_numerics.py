@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from favor_jax import layers
+from favor_jax import core, layers
 from favor_jax.core import kernels
 from favor_jax.layers import linen as flin
 from favor_jax.layers import nnx as fnnx
@@ -225,6 +225,19 @@ def test_nnx_redraw_refuses_a_layer_holding_a_decode_cache():
   assert np.all(np.isfinite(layer(_x(length=1))))
 
 
+def test_nnx_redraw_of_a_model_with_one_cached_layer_changes_no_layer():
+  """The refusal came after the layers before the cached one were redrawn: a half-redrawn model."""
+  first = _nnx_layer(_base_variables()["params"], _base_variables()["favor"]["projection"], decode=True)
+  second = _nnx_layer(_base_variables()["params"], _base_variables()["favor"]["projection"], decode=True)
+  second.init_cache((B, 1, F))
+  model = nnx.List([first, second])
+  before = [np.asarray(m.projection[...]) for m in (first, second)]
+  with pytest.raises(ValueError, match="holds a decode cache.*clear_cache"):
+    fnnx.redraw(model, jax.random.PRNGKey(3))
+  for m, b in zip((first, second), before):
+    np.testing.assert_array_equal(m.projection[...], b)
+
+
 def test_nnx_decode_with_a_batch_1_cache_and_batch_2_inputs_is_refused():
   layer = _nnx_layer(_base_variables()["params"], _base_variables()["favor"]["projection"], decode=True)
   layer.init_cache((1, 1, F))
@@ -349,3 +362,62 @@ def test_values_without_keys_a_lone_batch_axis_and_a_mask_with_extra_dims_are_re
   with pytest.raises(ValueError, match=r"key-padding masks of shape \[batch..., 1, 1, Lk\]"):
     call(x, mask=jnp.ones((2, B, 1, 1, 5), bool))
   np.testing.assert_allclose(call(x, mask=jnp.ones((B, 1, 1, 5), bool)), call(x), rtol=1e-6)
+
+
+# --- decoding through Flax's own cache; a cache of the other kind; argument types ---------------------------
+
+
+def test_make_attention_fn_decodes_through_flax_cache_when_not_causal_and_says_so_when_causal():
+  """Flax's decode cache gives the attention_fn one query against every cached key under a causal mask:
+  causal=True (or a window) there failed on "equal query and key lengths", naming neither decoding nor the
+  fix; causal=False decodes the causal model's outputs."""
+  x = _x(length=6)
+  w = core.orthogonal_projection(jax.random.PRNGKey(0), M, F // H)
+  model = lambda fn, decode: nn.MultiHeadDotProductAttention(num_heads=H, attention_fn=fn, decode=decode)
+  variables = model(layers.make_attention_fn(w, causal=True), False).init(jax.random.PRNGKey(2), x)
+  full = model(layers.make_attention_fn(w, causal=True), False).apply(variables, x)
+  for kw in (dict(causal=True), dict(window=2)):
+    decoder = model(layers.make_attention_fn(w, **kw), True)
+    cache = decoder.init(jax.random.PRNGKey(2), x)["cache"]
+    with pytest.raises(ValueError, match=r"needs as many queries as keys, got 1 queries and 6 keys. Decoding with "
+                                         r"Flax's own cache.*causal=False"):
+      decoder.apply({**variables, "cache": cache}, x[:, :1], mutable=["cache"])
+  decoder = model(layers.make_attention_fn(w, causal=False), True)
+  cache = decoder.init(jax.random.PRNGKey(2), x)["cache"]
+  for t in range(6):
+    out, mutated = decoder.apply({**variables, "cache": cache}, x[:, t:t + 1], mutable=["cache"])
+    cache = mutated["cache"]
+    np.testing.assert_allclose(out[:, 0], full[:, t], rtol=1e-5, atol=1e-5)
+
+
+def test_linen_cache_of_the_other_window_kind_is_named():
+  """A window=0 cache given to a window > 0 decoder (or the reverse) was reported as no cache at all."""
+  x = _x(length=1)
+  make = lambda window: flin.FavorAttention(num_heads=H, num_features=M, causal=True, decode=True, window=window)
+  for window, other in ((3, 0), (0, 3)):
+    variables = make(window).init(jax.random.PRNGKey(0), x)
+    cache = make(other).init(jax.random.PRNGKey(0), x)["cache"]
+    kind = "window=0" if other == 0 else "window > 0"
+    with pytest.raises(ValueError, match=f"the 'cache' collection holds a {kind} state .* this layer has "
+                                         f"window={window}"):
+      make(window).apply({**variables, "cache": cache}, x, mutable=["cache"])
+
+
+def test_layer_arguments_are_read_by_type_not_by_truth():
+  """is_causal="no" ran causal attention, per_head_projection=1 a per-head draw, redraw every True a redraw
+  every step; NumPy integers were refused for sizes where chunk_size and window took them."""
+  w = core.orthogonal_projection(jax.random.PRNGKey(0), M, F // H)
+  q = jnp.ones((1, 4, H, F // H))
+  with pytest.raises(TypeError, match=r"is_causal must be a bool \(True or False\), got 'no'"):
+    layers.make_attention_fn(w)(q, q, q, is_causal="no")
+  with pytest.raises(TypeError, match=r"causal must be a bool \(True or False\), got 'yes'"):
+    layers.make_attention_fn(w, causal="yes")
+  with pytest.raises(ValueError, match="per_head_projection must be None, True or False, got 1"):
+    flin.FavorAttention(num_heads=H, per_head_projection=1).init(jax.random.PRNGKey(0), _x(length=4))
+  with pytest.raises(ValueError, match="redraw every must be a non-negative int, got True"):
+    layers.redraw_due(0, True)
+  assert bool(layers.redraw_due(6, np.int64(3))) and not bool(layers.redraw_due(7, np.int64(3)))
+  layer = flin.FavorAttention(num_heads=H, num_features=np.int64(8), qk_head_dim=np.int32(4), causal=True,
+                              kernel="optimal_positive", rho_momentum=np.float32(0.5))
+  variables = layer.init(jax.random.PRNGKey(0), _x(length=4))
+  assert variables["favor"]["projection"].shape == (8, 4)

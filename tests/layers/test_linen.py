@@ -1,5 +1,6 @@
 
 import chex
+import flax
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -11,6 +12,7 @@ from favor_jax import core, layers
 from favor_jax.layers import linen as flin
 
 B, L, F, H = 2, 11, 16, 2  # features 16 -> head_dim 8
+D = F // H
 
 
 def _x(seed=0, length=L):
@@ -100,6 +102,44 @@ def test_each_layer_owns_an_independent_projection_and_redraw_is_pure():
   assert not np.allclose(out, TwoLayers().apply(new, x))
   kept = flin.redraw(variables, jax.random.PRNGKey(5), due=False)
   chex.assert_trees_all_equal(kept, variables)
+
+
+def test_redraw_of_frozen_variables_redraws_and_stays_frozen():
+  """A FrozenDict of variables was passed through untouched (no layer redrawn, no error)."""
+  x = _x()
+  variables = TwoLayers().init(jax.random.PRNGKey(0), x)
+  frozen = flax.core.freeze(variables)
+  new = flin.redraw(frozen, jax.random.PRNGKey(5))
+  assert isinstance(new, flax.core.FrozenDict) and isinstance(new["favor"]["attn_0"], flax.core.FrozenDict)
+  chex.assert_trees_all_equal(flax.core.unfreeze(new), flin.redraw(variables, jax.random.PRNGKey(5)))
+  assert not np.allclose(new["favor"]["attn_0"]["projection"], variables["favor"]["attn_0"]["projection"])
+  # A loop carry keeps its type: the redraw inside a fori_loop over frozen variables compiles.
+  looped = jax.lax.fori_loop(0, 2, lambda i, v: flin.redraw(v, jax.random.PRNGKey(i)), frozen)
+  assert isinstance(looped, flax.core.FrozenDict)
+
+
+@pytest.mark.parametrize("per_head", [False, True])
+def test_redraw_of_layers_stacked_by_nn_scan_draws_each_layer(per_head):
+  """``nn.scan`` stacks each variable over the layers ([N, M, D], kinds [N]); the redraw failed on them
+  (a branch index that is not a scalar). Each stacked layer gets its own orthogonal draw."""
+  class Block(nn.Module):
+    @nn.compact
+    def __call__(self, x, _):
+      return x + flin.FavorAttention(num_heads=H, num_features=D, per_head_projection=per_head)(x), None
+
+  stack = nn.scan(Block, variable_axes={"params": 0, "favor": 0}, split_rngs={"params": True}, length=3)()
+  x = _x()
+  variables = stack.init(jax.random.PRNGKey(1), x, None)
+  old = variables["favor"]["FavorAttention_0"]["projection"]
+  new = flin.redraw(variables, jax.random.PRNGKey(5))["favor"]["FavorAttention_0"]["projection"]
+  assert new.shape == old.shape == (3,) + ((H,) if per_head else ()) + (D, D)
+  blocks = np.asarray(new, np.float64).reshape(-1, D, D)  # one [M = D, D] draw per layer (and head)
+  for w in blocks:  # orthogonal rows (norms drawn as a Gaussian row's)
+    gram = w @ w.T
+    np.testing.assert_allclose(gram - np.diag(np.diag(gram)), 0.0, atol=1e-4 * np.max(np.diag(gram)))
+  assert all(not np.allclose(blocks[i], blocks[j]) for i in range(len(blocks)) for j in range(i))
+  assert not np.any(np.isclose(new, old).all(axis=(-2, -1)))
+  stack.apply({**variables, "favor": flin.redraw(variables, jax.random.PRNGKey(5))["favor"]}, x, None)
 
 
 def test_jitted_train_step_with_redraw_schedule_compiles_once():

@@ -467,6 +467,37 @@ def test_padded_self_attention_of_a_data_dependent_kernel_gives_the_unpadded_row
 
 
 @pytest.mark.parametrize("api", sorted(RUN))
+def test_a_batch_element_of_padding_alone_leaves_the_running_statistic_alone(api):
+  """An element with no real token has no statistic: it counted as 0 in the batch mean (halving ρ here);
+  the running value is 0.5·old + 0.5·(mean over the real elements), and a batch of padding keeps it."""
+  x = _x()
+  batch = jnp.concatenate([x, 40.0 * jnp.ones_like(x)])  # B real elements, then B of padding (junk)
+  real_B = jnp.arange(2 * B) < B
+  mask = jnp.broadcast_to(real_B[:, None], (2 * B, L))[:, None, None, :]
+  nothing = jnp.zeros_like(mask)  # a batch of padding only
+  for kernel in core.kernels.data_dependent_names():
+    if api == "linen":
+      layer = flin.FavorAttention(num_heads=H, num_features=M, kernel=kernel, causal=True, rho_momentum=0.5)
+      variables = _init(layer, x)
+      params = variables["params"]
+      train = jax.jit(functools.partial(layer.apply, deterministic=False, mutable=["favor"]))
+      first = train(variables, batch, mask=mask)[1]["favor"]["rho"]
+      kept = {**variables, "favor": {**variables["favor"], "rho": first}}
+      again = train(kept, batch, mask=nothing)[1]["favor"]["rho"]
+    else:
+      layer = _nnx_layer(kernel, num_features=M, causal=True, rho_momentum=0.5)
+      params = _nnx_params(layer)
+      layer(batch, mask=mask, deterministic=False)
+      first = layer.statistic[...]
+      layer(batch, mask=nothing, deterministic=False)
+      again = layer.statistic[...]
+    q, k, _ = _qkv(params, x)
+    want = 0.5 * core.get_kernel(kernel).compute_statistic(q, k).mean(0)
+    np.testing.assert_allclose(first, want, rtol=1e-5, atol=1e-7, err_msg=kernel)
+    np.testing.assert_array_equal(again, first)
+
+
+@pytest.mark.parametrize("api", sorted(RUN))
 def test_padded_cross_attention_takes_the_query_padding_as_query_mask(api):
   """Cross-attention: the keys' padding comes in ``mask``, the queries' in ``query_mask``; the real rows of
   a bidirectional FAVOR++/FAVOR# layer then equal those of the unpadded queries and keys (without
