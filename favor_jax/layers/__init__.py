@@ -67,7 +67,8 @@ def check_favor_args(*, num_features, kernel, projection, causal, decode, window
                      qk_head_dim=None, causal_method="auto") -> None:
   """The checks every FavorAttention layer (Linen and NNX) makes of its FAVOR arguments."""
   core.checks.check_bool("causal", causal)
-  core.checks.check_bool("decode", decode)
+  if decode is not None:  # NNX's default, as Flax's: not decoding
+    core.checks.check_bool("decode", decode)
   core.get_kernel(kernel)
   check_causal_method(causal_method, "window > 0 (hybrid attention)" if window else (
       DECODE_RUNS_CHUNKED if decode else None))
