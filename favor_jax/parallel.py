@@ -57,10 +57,6 @@ def sequence_parallel_attention(
 ) -> Float[Array, "... L H Dv"]:
   """:func:`favor_attention` (same formula, kernels and stabiliser) with the sequence split over ``axis_name``.
 
-  A plain callable ``kernel`` (not a ``kernels.Kernel`` record) is called with ``stabilize=False`` here,
-  causal or not (each device sees part of the keys): its features must stay within float32's range
-  (see :func:`favor_attention`), where one device's bidirectional call stabilises them.
-
       out_t = Σ_j φ(q_t)ᵀφ(k_j) v_j / Σ_j φ(q_t)ᵀφ(k_j),  j over all unmasked keys (j ≤ t if ``causal``).
 
   Self-attention layout: query, key and value share the length L. An L that
@@ -74,7 +70,10 @@ def sequence_parallel_attention(
   explicit ``rho``: its statistic is a mean over the whole sequence, which would be
   one more collective. The sharded computation runs compiled
   (``jit``) even when called eagerly: ``shard_map`` executed op by op is far slower. Eager calls with the
-  same shapes, mesh and choices reuse one compilation.
+  same shapes, mesh and choices reuse one compilation. A plain callable ``kernel`` (not a ``kernels.Kernel``
+  record) is called with ``stabilize=False`` here, causal or not (each device sees part of the keys): its
+  features must stay within float32's range (see :func:`favor_attention`), where one device's bidirectional
+  call stabilises them.
   """
   _check_axis(mesh, axis_name)
   if batch_axis is not None:
@@ -153,7 +152,7 @@ def _sharded(q, k, v, mask, projection, rho_NH, *, mesh, axis_name, specs, kern,
   out = jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=specs[0])(*args)
   if padded != length:
     if explicit:  # an explicit sharding cannot describe a length the axis does not divide: the batch's stays
-      out = jax.reshard(out, NamedSharding(mesh, specs[-1]))
+      out = jax.reshard(out, NamedSharding(mesh, P(specs[0][0])))  # specs[0]: P(batch axis, sequence axis)
     out = out[:, :length]
   return out
 

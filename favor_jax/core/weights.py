@@ -105,7 +105,7 @@ def attention_weights(
   log_w = jnp.where(allowed, log_w, -jnp.inf)
   if log:
     total = jax.nn.logsumexp(log_w, axis=-1, keepdims=True)
-    out = jnp.where(jnp.isfinite(total), log_w - jnp.where(jnp.isfinite(total), total, 0.0), -jnp.inf)
+    out = jnp.where(jnp.isfinite(total), log_w - shared.finite_or_zero(total), -jnp.inf)
     out = jnp.where(jnp.any(allowed & (sign < 0), axis=-1, keepdims=True), jnp.nan, out)
     return out.reshape(batch + out.shape[1:])
   peak = jax.lax.stop_gradient(jnp.max(log_w, axis=-1, keepdims=True))

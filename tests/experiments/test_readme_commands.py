@@ -71,12 +71,13 @@ def runs(config, study) -> dict:
   return {name: training.run_fields(c, resume=False) for name, _, c in study.runs(config)}
 
 
-RESULTS = [args for args in COMMANDS if parse(args)[2].startswith("experiments/results/")]
+# (arguments, work directory) of the commands writing committed results, each command parsed once here.
+RESULTS = [(args, workdir) for args in COMMANDS if (workdir := parse(args)[2]).startswith("experiments/results/")]
 
 
-@pytest.mark.parametrize("args", RESULTS, ids=lambda args: parse(args)[2])
-def test_committed_results_come_from_their_readme_command(args):
-  config, overrides, workdir = parse(args)
+@pytest.mark.parametrize("args,workdir", RESULTS, ids=[workdir for _, workdir in RESULTS])
+def test_committed_results_come_from_their_readme_command(args, workdir):
+  config, overrides, _ = parse(args)
   config, study = main.prepare(config, overrides)
   saved = json.loads((ROOT / workdir / "config.json").read_text())["config"]
   now = common.flat_fields(json.loads(json.dumps(config.to_dict(), default=str)))
@@ -97,7 +98,7 @@ def test_committed_results_come_from_their_readme_command(args):
 
 
 def test_every_committed_result_has_its_readme_command():
-  written = {parse(args)[2].rstrip("/") for args in RESULTS}
+  written = {workdir.rstrip("/") for _, workdir in RESULTS}
   for path in sorted((ROOT / "experiments/results").glob("*/config.json")):
     name = str(path.parent.relative_to(ROOT))
     own = path.parent / "README.md"  # a GPU run's directory says how it was made (experiments/gpu_check.sh)
