@@ -248,10 +248,12 @@ def favor_decode_init(
   """The empty state for :func:`favor_decode_step`, sized from one step's inputs.
 
   ``window=0``: a :class:`RecurrentState`, S = Σ_j e^{log φ(k_j) − μ}[v_j, 1]ᵀ per
-  head ([N, H, F, Dv+1], N the flattened batch) and μ, the running per-feature
-  maximum of log φ(k_j). ``window > 0`` (:func:`hybrid_attention`): a
-  :class:`HybridState`, the last ``window`` keys and values ([N, W, H, D + Dv])
-  and the RecurrentState of the keys before them.
+  head ([..., H, F, Dv+1], ``...`` the inputs' batch dimensions) and μ, the running
+  per-feature maximum of log φ(k_j). ``window > 0`` (:func:`hybrid_attention`): a
+  :class:`HybridState`, the last ``window`` keys and values ([..., W, H, D + Dv])
+  and the RecurrentState of the keys before them. Every array but the hybrid
+  state's token count leads with the batch dimensions, so a state decodes only
+  inputs of the batch shape it was made for.
   """
   shared.validate(query, query, value, None, True)
   window = checks.check_window(window)
@@ -260,9 +262,18 @@ def favor_decode_init(
   feature_fn = shared.feature_fn_for(kern, projection, shared.flat_rho(rho, query, kern), True)
   batch = query.shape[:-3]
   q, v = shared.flatten(query, batch), shared.flatten(value, batch)
-  if window:
-    return hybrid_lib.initial_state(feature_fn, q, v, window)
-  return shared.initial_state(feature_fn, q, q, v)
+  state = hybrid_lib.initial_state(feature_fn, q, v, window) if window else shared.initial_state(feature_fn, q, q, v)
+  return _state_batch(state, batch)
+
+
+def _state_batch(state, batch):
+  """The state's arrays with their leading flattened batch N given the dimensions ``batch`` (0-d leaves kept)."""
+  return jax.tree.map(lambda x: x.reshape(batch + x.shape[1:]) if x.ndim else x, state)
+
+
+def _state_flat(state, batch):
+  """Inverse of :func:`_state_batch`: the leading dimensions ``batch`` flattened into one."""
+  return jax.tree.map(lambda x: shared.flatten(x, batch) if x.ndim else x, state)
 
 
 def _check_state(state, want):
@@ -274,7 +285,7 @@ def _check_state(state, want):
     got = f"{type(state).__name__} with shapes {leaves(state)}"
     raise ValueError(
         f"state is a {got}; these inputs need a {type(want).__name__} with shapes {leaves(want)} "
-        "(flattened batch, heads, features, value size; window). Decode with the batch, heads, projection, "
+        "(batch dimensions, heads, features, value size; window). Decode with the batch shape, heads, projection, "
         "value size and window the state was made for (favor_decode_init).")
   dtypes = lambda s: [jnp.dtype(x.dtype if hasattr(x, "dtype") else jnp.result_type(x)).name
                       for x in jax.tree_util.tree_leaves(s)]
@@ -316,7 +327,8 @@ def favor_decode_step(
   q, k, v = (shared.flatten(x, batch) for x in (query, key, value))
   empty = (lambda q, k, v: hybrid_lib.initial_state(feature_fn, q, v, window)) if window else (
       lambda q, k, v: shared.initial_state(feature_fn, q, k, v))
-  state = _check_state(state, jax.eval_shape(empty, q, k, v))
+  want = jax.eval_shape(lambda *x: _state_batch(empty(*x), batch), q, k, v)
+  state = _state_flat(_check_state(state, want), batch)
   recurrent = state.recurrent if window else state
   mask = shared.mask_NL(key_mask, key)
   poisoned = ~jnp.all(jnp.isfinite(recurrent.s), axis=(-2, -1)) | jnp.any(jnp.isnan(recurrent.mu), axis=-1)
@@ -338,4 +350,4 @@ def favor_decode_step(
                                          return_state=True)
     state = spoil(state)
   out = shared.poison(shared.divide(num, den), bad)
-  return state, out.reshape(batch + out.shape[1:]).astype(shared.out_dtype(query, key, value))
+  return _state_batch(state, batch), out.reshape(batch + out.shape[1:]).astype(shared.out_dtype(query, key, value))

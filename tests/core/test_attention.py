@@ -566,6 +566,27 @@ def test_decode_prompt_then_tokens_equals_causal_forward():
   np.testing.assert_allclose(jnp.concatenate(outs, axis=1), full, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("batch", [(), (2, 3)], ids=["unbatched", "batch_2x3"])
+@pytest.mark.parametrize("window", [0, 3])
+def test_decode_state_keeps_the_batch_shape(batch, window):
+  # The state leads with the inputs' batch dimensions and each sequence continues its own state: the rows
+  # equal the full causal pass (or the hybrid one) sequence by sequence.
+  q, k, v = _qkv(length=9, batch=batch)
+  proj = _proj()
+  full = (core.hybrid_attention(q, k, v, proj, window=window, causal=True) if window
+          else core.favor_attention(q, k, v, proj, causal=True, chunk_size=4))
+  state = core.favor_decode_init(q[..., :1, :, :], v[..., :1, :, :], proj, window=window)
+  assert {x.shape[:len(batch)] for x in jax.tree.leaves(state) if x.ndim} == {batch}
+  state, prompt_out = core.favor_decode_step(state, q[..., :5, :, :], k[..., :5, :, :], v[..., :5, :, :], proj,
+                                             chunk_size=4, window=window)
+  outs = [prompt_out]
+  for t in range(5, 9):
+    step = lambda x: x[..., t:t + 1, :, :]
+    state, out = core.favor_decode_step(state, step(q), step(k), step(v), proj, window=window)
+    outs.append(out)
+  np.testing.assert_allclose(jnp.concatenate(outs, axis=-3), full, rtol=1e-5, atol=1e-5)
+
+
 def test_decode_step_needs_rho_for_favor_plus_plus():
   q, k, v = _qkv(length=3)
   proj = _proj()

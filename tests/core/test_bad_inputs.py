@@ -20,8 +20,9 @@ def _normal(seed, shape):
 
 def _qkv(batch=B, length=L, heads=H, dim=D, dv=D, lk=None):
   lk = length if lk is None else lk
-  return (_normal(0, (batch, length, heads, dim)), _normal(1, (batch, lk, heads, dim)),
-          _normal(2, (batch, lk, heads, dv)))
+  batch = batch if isinstance(batch, tuple) else (batch,)
+  return (_normal(0, (*batch, length, heads, dim)), _normal(1, (*batch, lk, heads, dim)),
+          _normal(2, (*batch, lk, heads, dv)))
 
 
 def _proj(dim=D, features=M):
@@ -88,6 +89,10 @@ STEP_MISMATCH = {  # the step's inputs differ from those the state was made for,
     "value_dim": dict(dv=5),
     "features": dict(features=24),
     "batch_1_state_batch_2_step": dict(state_batch=1),
+    # The same number of sequences in another layout: each would silently continue another's state.
+    "batch_2x3_state_batch_3x2_step": dict(state_batch=(2, 3), batch=(3, 2)),
+    "batch_2x3_state_batch_6_step": dict(state_batch=(2, 3), batch=6),
+    "batch_6_state_batch_2x3_step": dict(state_batch=6, batch=(2, 3)),
 }
 
 
