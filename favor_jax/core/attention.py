@@ -253,7 +253,9 @@ def favor_decode_init(
   :class:`HybridState`, the last ``window`` keys and values ([..., W, H, D + Dv])
   and the RecurrentState of the keys before them. Every array but the hybrid
   state's token count leads with the batch dimensions, so a state decodes only
-  inputs of the batch shape it was made for.
+  inputs of the batch shape it was made for. Its shapes are checked; the kernel
+  and projection it was built with are not recorded (a state is arrays only, to
+  pass through jit and scans): continue it with those it was made with.
   """
   shared.validate(query, query, value, None, True)
   window = checks.check_window(window)
