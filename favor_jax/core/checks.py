@@ -107,10 +107,12 @@ def check_causal_lengths(query, key, what: str = "causal attention") -> None:
         f"(query shape {query.shape}) and Lk={key.shape[-3]} (key shape {key.shape})")
 
 
-def check_positive_int(name: str, x) -> int:
-  """``x`` as a Python int: any positive integer (numpy's too), never a bool."""
+def check_positive_int(name: str, x, *, optional: bool = False) -> int | None:
+  """``x`` as a Python int: any positive integer (numpy's too), never a bool; ``optional``: None passes."""
+  if optional and x is None:
+    return None
   if isinstance(x, bool) or not isinstance(x, numbers.Integral) or x <= 0:
-    raise ValueError(f"{name} must be a positive int, got {x!r}")
+    raise ValueError(f"{name} must be a positive int{' or None' if optional else ''}, got {x!r}")
   return int(x)
 
 

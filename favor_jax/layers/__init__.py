@@ -54,11 +54,6 @@ def per_head(kernel, per_head_projection) -> bool:
   return per_head_projection
 
 
-def _check_optional_size(name, value) -> None:
-  if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0):
-    raise ValueError(f"{name} must be a positive int or None, got {value!r}")
-
-
 # Why decoding honours "auto" and "chunked" only (``check_causal_method``; NNX also asks at call time).
 DECODE_RUNS_CHUNKED = "decode=True (a prompt runs the chunked pass, a token one recurrence step)"
 
@@ -74,7 +69,7 @@ def check_favor_args(*, num_features, kernel, projection, causal, decode, window
       DECODE_RUNS_CHUNKED if decode else None))
   core.checks.check_causal_method(causal_method, causal_lib.CAUSAL_METHODS, causal)
   role = projection_role(kernel)
-  _check_optional_size("num_features", num_features)
+  core.checks.check_positive_int("num_features", num_features, optional=True)
   if projection is not None and projection not in PROJECTIONS:
     raise ValueError(f"projection must be one of {PROJECTIONS}, got {projection!r}")
   if role != "random":
@@ -89,7 +84,7 @@ def check_favor_args(*, num_features, kernel, projection, causal, decode, window
   if role == "none" and per_head_projection:
     raise ValueError(f"per_head_projection=True: kernel {kernel!r} uses no projection to make per head")
   core.checks.check_window(window)
-  _check_optional_size("qk_head_dim", qk_head_dim)
+  core.checks.check_positive_int("qk_head_dim", qk_head_dim, optional=True)
   if decode and not causal:
     raise ValueError("decode=True needs causal=True: decoding is autoregressive")
 
