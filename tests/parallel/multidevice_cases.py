@@ -100,20 +100,32 @@ def test_sequence_parallel_on_an_explicit_mesh_with_batch_sharding():
   assert out.sharding.spec[:2] == ("data", "seq")
 
 
-def test_an_eager_gradient_on_an_explicit_mesh_pads_a_length_the_axis_does_not_divide():
+@pytest.mark.parametrize("scale,dtype", [(1, jnp.float32), (40, jnp.float32), (1, jnp.bfloat16),
+                                         (40, jnp.bfloat16)])
+def test_an_eager_gradient_on_an_explicit_mesh_pads_a_length_the_axis_does_not_divide(scale, dtype):
   """L=13 over 4 devices under ``jax.set_mesh``: the eager gradient failed (the padding's transpose on a
-  sharded axis, outside the compiled part); the batch keeps its sharding on the padded path."""
+  sharded axis, outside the compiled part); the batch keeps its sharding on the padded path. Inputs ×1 and
+  ×20 (a standard normal's), float32 and bfloat16, against one device's float32 pass of the same (rounded)
+  inputs. Tolerances, relative to the largest entry: float32 ×1 1e-5; ×20 causal, rows put their weight on
+  one key and the exact gradient of such a row vanishes (1e-70 in float64): both float32 passes leave up to
+  4e-3·max there (one device 4.2e-3, the split 2.1e-3, every causal method alike; measured against a float64
+  form), so 1e-2; bfloat16 (measured ≤ 3.5e-3) 1e-2. A wrong shard or padding is off by O(1)."""
   q, k, v, w, mask = _inputs(length=13, batch=2)
+  q, k, v = (x.astype(dtype) for x in (scale * q, scale * k, v))
+  f32 = lambda x: x.astype(jnp.float32)
+  tol = 1e-5 if (scale, dtype) == (1, jnp.float32) else 1e-2
   mesh = jax.make_mesh((2, 4), ("data", "seq"), axis_types=(AxisType.Explicit,) * 2)
   for causal in (False, True):
     split = lambda q: parallel.sequence_parallel_attention(q, k, v, w, mesh=mesh, axis_name="seq",
                                                            batch_axis="data", causal=causal, key_mask=mask)
-    single = lambda q: core.favor_attention(q, k, v, w, causal=causal, key_mask=mask)
+    single = lambda q: core.favor_attention(q, f32(k), f32(v), w, causal=causal, key_mask=mask)
     with jax.set_mesh(mesh):
-      out, grad = split(q), jax.grad(lambda q: jnp.sum(split(q) ** 2))(q)
-    np.testing.assert_allclose(out, single(q), atol=1e-5, rtol=1e-5)
-    np.testing.assert_allclose(grad, jax.grad(lambda q: jnp.sum(single(q) ** 2))(q), atol=1e-5, rtol=1e-5)
-    assert out.sharding.spec[0] == "data"
+      out, grad = split(q), jax.grad(lambda q: jnp.sum(f32(split(q)) ** 2))(q)
+    assert out.dtype == grad.dtype == dtype and out.sharding.spec[0] == "data"
+    for got, want in ((out, single(f32(q))), (grad, jax.grad(lambda q: jnp.sum(single(q) ** 2))(f32(q)))):
+      want = np.asarray(want, np.float64)
+      np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=0, atol=tol * np.abs(want).max(),
+                                 err_msg=f"causal={causal}")
 
 
 @pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit])
