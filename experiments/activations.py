@@ -51,6 +51,10 @@ def check_study(config) -> None:
     raise ValueError(f"config.estimators must name one or more of {names}; unknown: {unknown or 'none given'}")
   for name in ("fit_batches", "measure_batches", "num_draws", "fit_sequences", "fit_steps"):
     tasks.positive_int(f"config.{name}", config[name])
+  need, held_out = config.fit_batches + config.measure_batches, config.model.data.num_eval_batches
+  if need > held_out:  # named before the model trains (``run`` checks the batches it gets too)
+    raise ValueError(f"fit_batches + measure_batches = {need}, but the model's held-out set has {held_out} "
+                     "batches (model.data.num_eval_batches)")
   if not config.features:
     raise ValueError("config.features must list at least one feature count")
   for f in config.features:

@@ -97,6 +97,13 @@ def check_study(config) -> None:
     tasks.positive_int(f"config.settings[{name!r}] head dim", dim)
     if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 < scale < float("inf"):
       raise ValueError(f"config.settings[{name!r}] input scale must be a finite number > 0, got {scale!r}")
+  names = [setting[0] for setting in config.settings]
+  for field, values in (("settings (names)", names), ("kernels", list(config.kernels)),
+                        ("projections", list(config.projections)), ("num_features", list(config.num_features))):
+    repeated = sorted({str(v) for v in values if values.count(v) > 1})
+    if repeated:  # the summary, plots and claims look records up by these: a repeat would show another's numbers
+      raise ValueError(f"config.{field} must not repeat a value, got {repeated} more than once in "
+                       f"{tuple(values)!r}")
   if isinstance(config.seed, bool) or not isinstance(config.seed, int) or config.seed < 0:
     raise ValueError(f"config.seed must be an int >= 0, got {config.seed!r}")
 

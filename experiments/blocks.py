@@ -129,7 +129,7 @@ def plot(records, config, workdir):
       if (r["seq_len"], r["pass_"]) == (length, pass_) and r["status"] == "ok":
         label = "XLA" if r["path"] == "xla" else f"Pallas, {r['num_warps']} warps, F-block {r['block_f']}"
         groups.setdefault(label, []).append((r["chunk"], r["median_s"] * 1e3))
-    for (label, pts), color in zip(sorted(groups.items()), plotting.COLORS):
+    for (label, pts), color in zip(sorted(groups.items()), plotting.distinct_colors(len(groups))):
       pts.sort()
       ax.plot([c for c, _ in pts], [t for _, t in pts], marker="o", color=color, label=label)
     plotting.log2_ticks(ax, [r["chunk"] for r in records])

@@ -59,8 +59,17 @@ def process_env(devices: int, port: int) -> dict:
           "JAX_COORDINATOR_BIND_ADDRESS": f"127.0.0.1:{port}"}  # not every interface, JAX's default
 
 
+CLUSTER_FIELDS = ("mesh.distributed", "mesh.coordinator_address", "mesh.num_processes", "mesh.process_id")
+
+
 def commands(processes: int, port: int, main_args: list[str]) -> list[list[str]]:
-  """experiments.main's command line for each process: ``main_args`` plus the cluster's config fields."""
+  """experiments.main's command line for each process: ``main_args`` plus the cluster's config fields, which
+  ``main_args`` must leave to the launcher (a ValueError names one given)."""
+  for arg in main_args:
+    name = arg.split("=", 1)[0].removeprefix("--").removeprefix("no").removeprefix("config.")
+    if arg.startswith("--") and name in CLUSTER_FIELDS:
+      raise ValueError(f"{arg!r}: local_cluster sets --config.{name} for each process itself (from --processes "
+                       "and a free port): leave it out")
   cluster = ["--config.mesh.distributed=True", f"--config.mesh.coordinator_address=127.0.0.1:{port}",
              f"--config.mesh.num_processes={processes}"]
   return [[sys.executable, "-m", "experiments.main", *main_args, *cluster, f"--config.mesh.process_id={i}"]

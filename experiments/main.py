@@ -128,15 +128,17 @@ def run(config, workdir, overrides=None) -> list[dict]:
   if cluster is not None and config.mesh.distributed:
     jax.distributed.initialize(**cluster)  # multi-host: the rest of the cluster from the environment
   writer = jax.process_index() == 0  # multi-host: every process runs the study, process 0 writes its files
-  if writer:
-    with open(os.path.join(workdir, "config.json"), "w") as f:
-      json.dump(dict(config=config.to_dict(), machine=machine()), f, indent=1, default=str)
+  # config.json describes results.json: a directory that holds results keeps its config.json until new results
+  # replace both (a rerun that stops, is refused or crashes must not relabel the results already there).
+  if writer and not os.path.exists(os.path.join(workdir, "results.json")):
+    write_config(config, workdir)
   start = time.time()
   records = study.run(config, progress=lambda msg: print(f"[{time.time() - start:7.1f}s] {msg}", flush=True),
                       workdir=workdir)
   summary = study.summarize(records, config)
   summary += f"\nMachine: {machine()}\n"
   if writer:
+    write_config(config, workdir)
     with open(os.path.join(workdir, "results.json"), "w") as f:
       json.dump(records, f, indent=1)
     with open(os.path.join(workdir, "summary.md"), "w") as f:
@@ -145,6 +147,14 @@ def run(config, workdir, overrides=None) -> list[dict]:
       print("wrote", path)
   print(summary)
   return records
+
+
+def write_config(config, workdir: str) -> None:
+  """``workdir/config.json``: the config as run and this machine, replaced whole."""
+  path = os.path.join(workdir, "config.json")
+  with open(path + ".tmp", "w") as f:
+    json.dump(dict(config=config.to_dict(), machine=machine()), f, indent=1, default=str)
+  os.replace(path + ".tmp", path)
 
 
 def cluster_arguments(mesh) -> dict:
@@ -167,9 +177,33 @@ def cluster_arguments(mesh) -> dict:
   return given
 
 
+def command_line_overrides(flag_values=flags.FLAGS) -> dict:
+  """{dotted field: value} of every ``--config.FIELD`` given: ml_collections' own record. Not absl's
+  ``present`` count, which a tuple flag gets from its number of items, so ``--config.FIELD=()`` read as not
+  given (its value set, but no check saw it, and ``--config.quick=True`` rebuilt the config without it)."""
+  return dict(config_flags.get_override_values(flag_values["config"]))
+
+
+def repeated_fields(argv) -> list[str]:
+  """The ``--config.FIELD`` flags given more than once (absl keeps a field's last value, but joins a
+  tuple's): each must be given once."""
+  names = []
+  for arg in argv[1:]:
+    if arg == "--":
+      break
+    name = arg.split("=", 1)[0].replace("--noconfig.", "--config.", 1)
+    if name.startswith("--config."):
+      names.append(name)
+  return sorted({n for n in names if names.count(n) > 1})
+
+
 def parse_flags(argv):
-  """absl's flag parsing, where a ``--config.FIELD`` naming no field of the config ends the command with
-  ml_collections' message (and its suggestion), not a traceback."""
+  """absl's flag parsing, where a ``--config.FIELD`` naming no field of the config, or one given twice, ends
+  the command with a message (for the former ml_collections' own, and its suggestion), not a traceback."""
+  twice = repeated_fields(argv)
+  if twice:
+    sys.exit(f"error: {', '.join(twice)} given more than once (a tuple's values would be joined, any other "
+             "field would keep its last value): give each field once")
   try:
     return flags.FLAGS(argv)
   except (AttributeError, KeyError) as e:  # ml_collections: a field (or a parent field) that does not exist
@@ -182,8 +216,7 @@ def parse_flags(argv):
 def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)  # orbax logs every checkpoint step at INFO
-  overrides = {name.removeprefix("config."): flags.FLAGS[name].value for name in flags.FLAGS
-               if name.startswith("config.") and flags.FLAGS[name].present}
+  overrides = command_line_overrides()
   from experiments import training
   try:
     run(_CONFIG.value, _WORKDIR.value, overrides)

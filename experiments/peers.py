@@ -128,6 +128,9 @@ def unread(config) -> dict:
 
 def run(config, progress=print, workdir=None):
   check_timing(config)
+  if config.approx_draws < 2:  # an int >= 1 by check_timing
+    raise ValueError(f"config.approx_draws must be >= 2 (the mean error's 95% interval needs two draws), got "
+                     f"{config.approx_draws}")
   if not peers_available():
     raise SystemExit(f"the peers study needs torch and performer-pytorch: {INSTALL_HINT}")
   records = []

@@ -27,6 +27,17 @@ def save(fig, path: str, dpi: int = 120) -> str:
   return path
 
 
+def distinct_colors(n: int) -> list:
+  """``n`` colours no two alike: the ten of COLORS, else twenty from tab20, else ``n`` samples of a colormap
+  (never fewer than ``n``: a ``zip`` with them drops no series)."""
+  import matplotlib
+  if n <= len(COLORS):
+    return list(COLORS[:n])
+  if n <= 20:
+    return [matplotlib.colormaps["tab20"](i) for i in range(n)]
+  return [matplotlib.colormaps["turbo"](i / (n - 1)) for i in range(n)]
+
+
 def styles(n: int) -> list[dict]:
   """``n`` distinct (colour, line style) pairs: the ten colours with a solid line, then dashed, ..."""
   if n > len(COLORS) * len(LINESTYLES):

@@ -233,6 +233,10 @@ def run(config, progress=print, workdir=None):
   if unknown:
     raise ValueError(f"config.methods has unknown {unknown}; choose from {list(EXACT) + list(ESTIMATORS)} or a "
                      f"kernel of core.KERNELS {sorted(core.KERNELS)}")
+  causal_only = [m for m in config.methods if m in CAUSAL_ONLY]
+  if causal_only and True not in config.causal:
+    raise ValueError(f"config.methods {causal_only} time causal attention only, but config.causal="
+                     f"{tuple(config.causal)} asks for none: add True to config.causal, or drop them")
   on_gpu = jax.default_backend() == "gpu"
   ceiling = matmul_ceiling(jnp.dtype(config.dtype), on_gpu)
   limit = memory_limit_bytes(config.memory_limit_gb)
@@ -342,7 +346,7 @@ def plot(records, config, workdir):
   """Time and memory against L: bidirectional and causal rows, colour = method, line style = pass."""
   import matplotlib.lines as mlines
   fig, axes = plotting.subplots(2, 2, figsize=(11, 7), sharex=True)
-  color = dict(zip(config.methods, plotting.COLORS))
+  color = dict(zip(config.methods, plotting.distinct_colors(len(config.methods))))
   memory = "peak memory, own process (MB)" if config.memory == "process" else "compiled memory (MB)"
   for row, causal in enumerate((False, True)):
     for name in config.methods:

@@ -27,6 +27,7 @@ def variant_configs(config) -> list[tuple[str, object]]:
   for name, overrides in common.selected_variants(config):
     c = common.set_fields(copy.deepcopy(config), overrides, what=f"variant {name!r} overrides")
     training.check_config(c)
+    check_variant_read(name, overrides, c)
     fields = json.dumps(training.run_fields(c, resume=False), sort_keys=True)
     if fields in seen:
       raise ValueError(f"variants {seen[fields]!r} and {name!r} would run the same config (the command line's "
@@ -34,6 +35,20 @@ def variant_configs(config) -> list[tuple[str, object]]:
     seen[fields] = name
     out.append((name, c))
   return out
+
+
+def check_variant_read(name: str, overrides: dict, config) -> None:
+  """Stops on a field the variant sets that its run does not read (as for a command-line value): the study's
+  own fields (its labels, ``variants``, ``only``) and those ``training.unused_fields`` names (e.g. FAVOR's under
+  softmax, ``attention.num_features`` for a kernel without a random projection, ``mesh.fsdp`` on one device)."""
+  unused = training.unused_fields(config)
+  for field, value in overrides.items():
+    top = field.split(".")[0]
+    why = (f"{top} is the study's field, not a run's" if top in training.NOT_OF_THE_RUN
+           else next((why for f, why in unused.items() if field == f or field.startswith(f + ".")), None))
+    if why is not None:
+      raise ValueError(f"variant {name!r} sets {field}={value!r}, which its run does not read ({why}): drop it "
+                       "from the variant, or set the fields that make it apply")
 
 
 def runs(config) -> list[tuple[str, str, object]]:

@@ -9,10 +9,13 @@ rerunning the same command after a kill writes the same ``metrics.jsonl``.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import json
 import math
 import os
+import socket
 import time
 from typing import Any, NamedTuple
 
@@ -74,7 +77,9 @@ def check_config(config) -> None:
          f"model.d_model {m.d_model} must be divisible by model.num_heads {m.num_heads}")
   _check(m.positions != "rotary" or (m.d_model // m.num_heads) % 2 == 0,
          "rotary positions need an even head dim")
-  _check(t.lr > 0, f"train.lr must be > 0, got {t.lr}")
+  _check(isinstance(t.seed, int) and not isinstance(t.seed, bool) and 0 <= t.seed < 2**63 - 1,
+         f"train.seed must be an int >= 0 (it seeds the parameters, projections and data stream), got {t.seed!r}")
+  _check(t.lr > 0 and math.isfinite(t.lr), f"train.lr must be a finite number > 0, got {t.lr}")
   _check(isinstance(t.warmup_steps, int) and 0 <= t.warmup_steps < t.steps,
          f"train.warmup_steps must be an int in [0, train.steps={t.steps}), got {t.warmup_steps!r}")
   _check(t.clip_norm >= 0 and t.weight_decay >= 0, "train.clip_norm and train.weight_decay must be >= 0")
@@ -301,6 +306,12 @@ class MetricsLog:
             self.records.append(record)
     if jax.process_index() != 0:  # multi-host: every process computes the metrics, process 0 writes them
       return
+    if keep_through > 0 and not any(r["kind"] == "eval" and r["step"] == 0 for r in self.records):
+      # The study reports from these records (best eval accuracy, curves): resumed without them, its numbers
+      # would be those of the steps after the checkpoint only.
+      raise ValueError(f"{path} lacks the records of the steps through {keep_through}, which the checkpoint "
+                       "holds (missing, or cut: no evaluation at step 0): restore it, or delete "
+                       f"{os.path.dirname(path)} to start the run over")
     with open(path + ".tmp", "w") as f:  # replaced whole: the other processes may be reading it
       f.writelines(json.dumps(r) + "\n" for r in self.records)
     os.replace(path + ".tmp", path)
@@ -468,9 +479,41 @@ def train(config, workdir: str, progress=print, init_params=None) -> tuple[list[
   its shards of every batch, all write their shards of each checkpoint, and process 0 writes the metrics.
   """
   check_config(config)
+  common.check_workdir(workdir, "the run directory")
+  with run_lock(workdir):
+    return _train(config, workdir, progress, init_params)
+
+
+@contextlib.contextmanager
+def run_lock(workdir: str):
+  """Holds ``workdir/.lock`` (an exclusive flock, released when the process ends, however it ends) while a run
+  trains there, so that a second command on the same run directory stops instead of interleaving its metrics and
+  checkpoints with the first's. Process 0 only: a cluster's processes share the directory by design."""
+  if jax.process_index() != 0:
+    yield
+    return
+  path = os.path.join(workdir, ".lock")
+  with open(path, "a+") as f:
+    try:
+      fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+      f.seek(0)
+      holder = f.read().strip() or "another process"
+      raise ValueError(f"{workdir} is being written by another command ({holder}): wait for it to end, or give "
+                       "another work directory") from e
+    f.truncate(0)
+    f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+    f.flush()
+    try:
+      yield
+    finally:
+      fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _train(config, workdir: str, progress, init_params) -> tuple[list[dict], TrainState]:
+  """:func:`train` under its run directory's lock."""
   t = config.train
   end = t.stop_after or t.steps
-  common.check_workdir(workdir, "the run directory")
   mesh, task, model, optimizer, state, shardings = build(config, init_params, progress)
   checkpoints, state = open_checkpoints(os.path.join(workdir, "checkpoints"), state, progress,
                                        check_resume=lambda newest: check_resumed_config(workdir, config, newest))

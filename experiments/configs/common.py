@@ -30,6 +30,9 @@ def set_fields(config, fields: dict, what: str = "override"):
       node = node[part]
     if leaf not in node:
       raise ValueError(f"{what} {field!r} is not a config field")
+    if isinstance(node[leaf], ml_collections.ConfigDict):  # a whole block: its other fields would be lost
+      raise ValueError(f"{what} {field!r} with {value!r}, but {field} is a block of fields: set each one by its "
+                       f"dotted name ({field}.NAME)")
     node[leaf] = value
   return config
 

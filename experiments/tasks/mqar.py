@@ -29,8 +29,8 @@ def check_data(data) -> None:
   if data.vocab_size // 2 - 1 < data.num_kv_pairs:
     raise ValueError(f"data.vocab_size {data.vocab_size} has fewer than num_kv_pairs={data.num_kv_pairs} "
                      "distinct keys in [1, vocab_size / 2)")
-  if not data.power_a > 0:
-    raise ValueError(f"data.power_a must be > 0, got {data.power_a}")
+  if not 0 < data.power_a < float("inf"):
+    raise ValueError(f"data.power_a must be a finite number > 0, got {data.power_a}")
 
 
 def sample(rng: np.random.Generator, batch_size: int, seq_len: int, num_kv_pairs: int, vocab_size: int,

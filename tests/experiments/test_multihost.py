@@ -199,3 +199,13 @@ def test_forced_device_count_keeps_other_xla_flags_and_replaces_an_earlier_count
   for bad in (0, -1, 2.5, True, "8"):
     with pytest.raises(ValueError, match=r"devices must be an int >= 1, got"):
       local_cluster.xla_flags(bad)
+
+
+def test_local_cluster_refuses_a_cluster_field_on_its_command_line():
+  """It appends the cluster's fields itself: a user's value (given before them) was replaced silently."""
+  for arg in ("--config.mesh.num_processes=4", "--noconfig.mesh.distributed", "--config.mesh.process_id=1",
+              "--config.mesh.coordinator_address=10.0.0.1:99"):
+    with pytest.raises(ValueError, match=f"{arg!r}: local_cluster sets --config.mesh"):
+      local_cluster.commands(2, 1234, ["--config=experiments/configs/tiny.py", arg])
+  cmds = local_cluster.commands(2, 1234, ["--config=experiments/configs/tiny.py", "--config.mesh.data=2"])
+  assert [c[-1] for c in cmds] == ["--config.mesh.process_id=0", "--config.mesh.process_id=1"]
