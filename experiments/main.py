@@ -126,7 +126,12 @@ def run(config, workdir, overrides=None) -> list[dict]:
   cluster = cluster_arguments(config.mesh) if config.get("mesh") is not None else None
   workdir = common.check_workdir(workdir)
   if cluster is not None and config.mesh.distributed:
-    jax.distributed.initialize(**cluster)  # multi-host: the rest of the cluster from the environment
+    try:
+      jax.distributed.initialize(**cluster)  # multi-host: the rest of the cluster from the environment
+    except ValueError as e:  # e.g. "coordinator_address should be defined": no cluster detected, none given
+      raise ValueError(f"mesh.distributed=True, but jax.distributed.initialize({cluster}) found no cluster ({e}): "
+                       "run on a cluster JAX detects (TPU VMs, SLURM, ...), give mesh.coordinator_address, "
+                       "mesh.num_processes and mesh.process_id, or leave mesh.distributed False") from e
   writer = jax.process_index() == 0  # multi-host: every process runs the study, process 0 writes its files
   # config.json describes results.json: a directory that holds results keeps its config.json until new results
   # replace both (a rerun that stops, is refused or crashes must not relabel the results already there).

@@ -209,3 +209,12 @@ def test_local_cluster_refuses_a_cluster_field_on_its_command_line():
       local_cluster.commands(2, 1234, ["--config=experiments/configs/tiny.py", arg])
   cmds = local_cluster.commands(2, 1234, ["--config=experiments/configs/tiny.py", "--config.mesh.data=2"])
   assert [c[-1] for c in cmds] == ["--config.mesh.process_id=0", "--config.mesh.process_id=1"]
+
+
+def test_distributed_without_a_cluster_is_named(tmp_path):
+  """mesh.distributed=True where JAX detects no cluster and none is given: JAX's bare "coordinator_address
+  should be defined" now says which field asked for it and what to give."""
+  config = common.set_fields(tiny_config.get_config(), {"mesh.distributed": True})
+  with pytest.raises(ValueError, match=r"mesh.distributed=True, but jax.distributed.initialize\(\{\}\) found no "
+                                       r"cluster .*coordinator_address"):
+    main.run(config, str(tmp_path / "out"), {"mesh.distributed": True})
