@@ -64,8 +64,11 @@ def _chunked_block(feature_fn, chunk, carry, q, k, v, mask):
   s_raw = jnp.maximum(row_max(mu_NHcF[:, :, :, None]), row_max(_running_max(lg_k, axis=3)))
   s_NHcC = shared.finite_or_zero(s_raw)
   lam_NHc1F = shared.finite_or_zero(lam_NHcF)[:, :, :, None]  # the one-product form's key scale
-  s_chunk = row_max(lam_NHc1F)
-  safe = ~jnp.any(jnp.isfinite(s_raw) & (s_chunk - s_raw > SAFE_GAP))
+  # The scale of the one product: its largest possible term, over the features some key of the chunk has
+  # (a feature none has, λ_f = −∞, must not raise it; a chunk of padding has none and cannot be unsafe).
+  s_chunk_raw = row_max(lam_NHcF[:, :, :, None])
+  s_chunk = shared.finite_or_zero(s_chunk_raw)
+  safe = ~jnp.any(jnp.isfinite(s_raw) & (s_chunk_raw - s_raw > SAFE_GAP))
 
   def one_product(carry):
     lq, mq, lk, mk, v1 = map(split, (log_q, mult_q, log_k, mult_k, shared.with_ones(v_NHlD)))
@@ -77,7 +80,7 @@ def _chunked_block(feature_fn, chunk, carry, q, k, v, mask):
     # Keys before chunk c: S scaled by μ (finite where any such key has a finite feature).
     q_inter = shared.exp_times(lq + mu_NHcF[:, :, :, None], s_NHcC[..., None], mq)
     inter_NHcCE = jnp.einsum("nhctf,nhcfe->nhcte", q_inter, ss[:, :, :nc])
-    q_chunk = shared.exp_times(lq + lam_NHc1F, s_chunk[..., None], mq)
+    q_chunk = shared.exp_times(lq + lam_NHcF[:, :, :, None], s_chunk[..., None], mq)  # 0 where λ_f = −∞
     gain = jnp.exp(jnp.minimum(s_chunk - s_NHcC, SAFE_GAP))[..., None]  # e^{s_chunk − s_t}
     w_NHcCC = jnp.einsum("nhctf,nhcjf->nhctj", q_chunk, local) * gain
     w_NHcCC = jnp.where(jnp.tril(jnp.ones((chunk, chunk), bool)), w_NHcCC, 0.0)

@@ -319,7 +319,9 @@ def read_out(fq, state: RecurrentState, *, with_scale: bool = False):
   also returns s [..., R] (a constant under grad; −∞ for the empty state).
   """
   log_q, mult_q = parts(fq)
-  shifted = log_q + finite_or_zero(state.mu)[..., None, :]
+  # A feature no key has (μ_f = −∞) adds nothing: it must not set the row's scale (taken as μ_f = 0 it
+  # could exceed every real term by more than float32's range, and the row would come out 0).
+  shifted = log_q + state.mu[..., None, :]
   scale = jax.lax.stop_gradient(jnp.max(shifted, axis=-1))
   y = jnp.einsum("...rf,...fe->...re", exp_times(shifted, finite_or_zero(scale)[..., None], mult_q), state.s)
   if not with_scale:

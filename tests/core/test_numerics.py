@@ -372,3 +372,37 @@ def test_zero_projection_gives_what_the_docstring_says():
   np.testing.assert_allclose(got, np.broadcast_to(want[:, None], got.shape), rtol=1e-5, atol=1e-6)
   # relu features of a zero projection are all 0: no key is attended, every row is 0.
   assert np.all(core.favor_attention(q, k, v, zero, kernel="relu") == 0)
+
+
+def test_a_feature_no_key_has_never_sets_a_rows_scale():
+  """A Kernel record whose log-features are −∞ for one feature in every key (a pruned feature, the log of an
+  exact zero): that feature adds nothing, and must not scale the row's real terms below float32's range.
+  It did (read_out and the chunked pass took μ_f = −∞ as 0): every row 0 at ×20 on every path."""
+  def pruned_log_features(query, key, projection):
+    fq, fk = kernels.positive.log_features(query, key, projection)
+    return fq, kernels.LogFeatures(fk.log.at[..., 0].set(-jnp.inf), None)
+
+  pruned = kernels.Kernel("pruned_positive", pruned_log_features, lambda m, d: m, estimates_softmax=False)
+  q, k, v = (20.0 * x for x in _qkv(length=12, batch=1))
+  v = v / 20.0
+  proj = _proj()
+  fq, fk = pruned_log_features(q, k, proj)
+  la = np.asarray(fq.log, np.float64)[:, :, None] + np.asarray(fk.log, np.float64)[:, None]  # [B, t, j, H, F]
+  la = np.log(np.sum(np.exp(la - la.max(-1, keepdims=True)), -1)) + la.max(-1)  # [B, t, j, H]
+  for causal in (True, False):
+    if causal:
+      la_c = np.where(np.tril(np.ones((12, 12), bool))[None, :, :, None], la, -np.inf)
+    else:
+      la_c = la
+    w = np.exp(la_c - la_c.max(2, keepdims=True))
+    want = np.einsum("btjh,bjhd->bthd", w, np.asarray(v, np.float64)) / w.sum(2)[..., None]
+    for method in (METHODS if causal else ("auto",)):
+      got = np.asarray(core.favor_attention(q, k, v, proj, kernel=pruned, causal=causal, causal_method=method,
+                                            chunk_size=4), np.float64)
+      np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-4, err_msg=f"{causal} {method}")
+  state = core.favor_decode_init(q[:, :1], v[:, :1], proj, kernel=pruned)
+  for t in range(12):
+    state, y = core.favor_decode_step(state, q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], proj, kernel=pruned)
+  want_last = np.einsum("bjh,bjhd->bhd", np.exp(la[:, -1] - la[:, -1].max(1, keepdims=True)), np.asarray(v, np.float64))
+  want_last /= np.exp(la[:, -1] - la[:, -1].max(1, keepdims=True)).sum(1)[..., None]
+  np.testing.assert_allclose(np.asarray(y[:, 0], np.float64), want_last, rtol=1e-3, atol=1e-4)
