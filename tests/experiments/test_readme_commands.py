@@ -47,10 +47,9 @@ def parse(args):
   values = flags.FlagValues()
   config = config_flags.DEFINE_config_file("config", None, "", flag_values=values, sys_argv=["main"] + args)
   flags.DEFINE_string("workdir", None, "", flag_values=values)
+  assert not main.repeated_fields(["main"] + args), args  # main stops on a field given twice
   values(["main"] + args)
-  overrides = {name.removeprefix("config."): values[name].value for name in values
-               if name.startswith("config.") and values[name].present}
-  return config.value, overrides, values["workdir"].value
+  return config.value, main.command_line_overrides(values), values["workdir"].value
 
 
 COMMANDS = experiment_commands((ROOT / "README.md").read_text())
