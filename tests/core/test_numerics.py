@@ -406,3 +406,40 @@ def test_a_feature_no_key_has_never_sets_a_rows_scale():
   want_last = np.einsum("bjh,bjhd->bhd", np.exp(la[:, -1] - la[:, -1].max(1, keepdims=True)), np.asarray(v, np.float64))
   want_last /= np.exp(la[:, -1] - la[:, -1].max(1, keepdims=True)).sum(1)[..., None]
   np.testing.assert_allclose(np.asarray(y[:, 0], np.float64), want_last, rtol=1e-3, atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("window", [0, 4])
+def test_decoding_equals_the_explicit_form_at_every_scale(window, dtype):
+  """A prompt (19 tokens, chunks of 8) then tokens one at a time, masked keys among both, for the positive,
+  FAVOR++ and FAVOR# kernels at ×1 to ×20: every row is the explicit form's (window > 0: against the
+  full hybrid pass, itself tested against its own explicit form; the decoded rows must equal it)."""
+  q0, k0, v = _qkv(length=26)
+  mask = _mask(length=26)
+  for name in ("positive", "optimal_positive", "saderf"):
+    proj = _proj(name=name)
+    decode = jax.jit(lambda state, q, k, v, mask, rho, chunk_size: core.favor_decode_step(
+        state, q, k, v, proj, kernel=name, window=window, key_mask=mask, chunk_size=chunk_size,
+        **({} if rho is None else {"rho": rho})), static_argnames="chunk_size")
+    for scale in SCALES:
+      q, k, vv = (x.astype(dtype) for x in (scale * q0, scale * k0, v))
+      rho = _rho(name, q, k, mask)
+      extra = {} if rho is None else {"rho": rho}
+      if window:
+        want = np.asarray(core.hybrid_attention(q, k, vv, proj, kernel=name, window=window, causal=True,
+                                                key_mask=mask, **extra), np.float64)
+      else:
+        want = explicit(name, q, k, vv, proj, rho, mask, causal=True)[0]
+      state = core.favor_decode_init(q[:, :1], vv[:, :1], proj, kernel=name, window=window)
+      state, prompt = decode(state, q[:, :19], k[:, :19], vv[:, :19], mask[:, :19], rho, chunk_size=8)
+      outs = [prompt]
+      for t in range(19, 26):
+        token = lambda x: x[:, t:t + 1]
+        state, out = decode(state, token(q), token(k), token(vv), token(mask), rho, chunk_size=64)
+        outs.append(out)
+      got = np.asarray(jnp.concatenate(outs, axis=1), np.float64)
+      assert got.dtype == np.float64 and not np.any(np.isnan(got))
+      tol = 1e-5 if window and dtype == jnp.float32 else _tolerance(dtype, scale) * 10
+      err = np.max(np.abs(got - want))
+      assert err <= tol * np.max(np.abs(want)), f"{name} scale={scale}: max error {err}"
+      assert not np.any(np.all(got == 0, -1) & ~np.all(want == 0, -1)), (name, scale)
