@@ -190,14 +190,14 @@ def command_line_overrides(flag_values=flags.FLAGS) -> dict:
 
 
 def repeated_fields(argv) -> list[str]:
-  """The ``--config.FIELD`` flags given more than once (absl keeps a field's last value, but joins a
-  tuple's): each must be given once."""
+  """The ``--config.FIELD`` flags (and ``--config``, ``--workdir``) given more than once (absl keeps a
+  field's last value, but joins a tuple's): each must be given once."""
   names = []
   for arg in argv[1:]:
     if arg == "--":
       break
     name = arg.split("=", 1)[0].replace("--noconfig.", "--config.", 1)
-    if name.startswith("--config."):
+    if name.startswith("--config.") or name in ("--config", "--workdir"):
       names.append(name)
   return sorted({n for n in names if names.count(n) > 1})
 
@@ -207,8 +207,8 @@ def parse_flags(argv):
   the command with a message (for the former ml_collections' own, and its suggestion), not a traceback."""
   twice = repeated_fields(argv)
   if twice:
-    sys.exit(f"error: {', '.join(twice)} given more than once (a tuple's values would be joined, any other "
-             "field would keep its last value): give each field once")
+    sys.exit(f"error: {', '.join(twice)} given more than once (absl would join a tuple's values and keep any "
+             "other flag's last one): give each once")
   try:
     return flags.FLAGS(argv)
   except (AttributeError, KeyError) as e:  # ml_collections: a field (or a parent field) that does not exist

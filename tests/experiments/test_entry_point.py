@@ -54,6 +54,8 @@ def test_a_field_given_twice_is_named():
           "--config.mesh.fsdp", "--noconfig.mesh.fsdp", "--", "--config.heads=4"]
   assert main.repeated_fields(argv) == ["--config.mesh.fsdp", "--config.seq_lens"]
   assert main.repeated_fields(["main", "--config.heads=3", "--config.head_dim=3"]) == []
+  assert main.repeated_fields(["main", "--config=a.py", "--workdir=w", "--config=b.py", "--workdir", "v"]) == [
+      "--config", "--workdir"]
 
 
 @pytest.mark.parametrize("field,value,named", [
