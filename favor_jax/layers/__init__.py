@@ -433,16 +433,17 @@ def make_attention_fn(
       raise ValueError(f"FAVOR attention_fn cannot honour the keyword arguments {sorted(bad)}")
     check_dropout(dropout_rate, deterministic)
     core.checks.check_bool("is_causal", is_causal)
-    if (causal or is_causal or window) and query.shape[-3] != key.shape[-3]:
+    causal_now = bool(causal or is_causal)
+    if (causal_now or window) and query.shape[-3] != key.shape[-3]:
       raise ValueError(
-          f"{'causal attention' if causal or is_causal else f'window={window}'} needs as many queries as keys, "
+          f"{'causal attention' if causal_now else f'window={window}'} needs as many queries as keys, "
           f"got {query.shape[-3]} queries and {key.shape[-3]} keys. Decoding with Flax's own cache (decode=True) "
           "passes one query against the cached keys with a mask that is already causal: decode with an "
           "attention_fn made with causal=False (and window=0), or use favor_jax's FavorAttention layers, "
           "whose decode keeps a constant-size state.")
     with precision_scope(precision):
       out = attend(query, key, value, projection, window=window, kernel=kernel,
-                   causal=bool(causal or is_causal), key_mask=key_mask_from_flax(mask, key), rho=rho,
+                   causal=causal_now, key_mask=key_mask_from_flax(mask, key), rho=rho,
                    chunk_size=chunk_size, causal_method=causal_method)
     return out if dtype is None else out.astype(dtype)
 
