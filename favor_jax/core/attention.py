@@ -40,7 +40,7 @@ def softmax_attention(
   batch = query.shape[:-3]
   mask = shared.mask_NL(key_mask, key)
   q, k, v, bad, _ = shared.split_nonfinite(*(shared.flatten(x, batch) for x in (query, key, value)), mask,
-                                              causal=causal)
+                                              causal=causal, in_range=False)
   f32 = jnp.float32
   logits = jnp.einsum("nqhd,nkhd->nhqk", q.astype(f32), k.astype(f32)) / math.sqrt(query.shape[-1])
   allowed = mask[:, None, None, :]
@@ -54,11 +54,11 @@ def softmax_attention(
   return out.reshape(batch + out.shape[1:]).astype(shared.out_dtype(query, key, value))
 
 
-def _run(feature_fn, query, key, value, key_mask, causal, causal_method, chunk_size):
+def _run(feature_fn, query, key, value, key_mask, causal, causal_method, chunk_size, in_range=True):
   batch = query.shape[:-3]
   mask = shared.mask_NL(key_mask, key)
   q, k, v, bad, _ = shared.split_nonfinite(*(shared.flatten(x, batch) for x in (query, key, value)), mask,
-                                              causal=causal)
+                                              causal=causal, in_range=in_range)
   v = v.astype(jnp.float32)
   if not causal:
     out = bidirectional_lib.bidirectional(feature_fn, q, k, v, mask, divide=True)
@@ -97,7 +97,7 @@ def linear_attention(
 
   feature_fn.layout_free = True
   return _run(feature_fn, query_features, key_features, value, key_mask, causal,
-              causal_method, chunk_size)
+              causal_method, chunk_size, in_range=False)
 
 
 def favor_attention(

@@ -40,7 +40,7 @@ from favor_jax.core import checks
 __all__ = [
     "positive", "hyperbolic", "trigonometric", "optimal_positive", "relu", "elu_plus_one",
     "oprf_rho", "broadcast_rho", "check_rho", "KERNELS", "Kernel", "get_kernel", "num_features",
-    "LogFeatures", "taylor", "hedgehog", "saderf", "saderf_statistic",
+    "LogFeatures", "taylor", "hedgehog", "saderf", "saderf_statistic", "MAX_SQ_NORM", "in_range",
 ]
 
 
@@ -53,6 +53,32 @@ class LogFeatures(NamedTuple):
 def _scaled(x):
   """x·d^{-1/4} in float32, so that exp(xᵀy) is the softmax kernel exp(q·k/√d)."""
   return x.astype(jnp.float32) * x.shape[-1] ** -0.25
+
+
+# Every kernel's range: the query and key rows whose x = q·d^{-1/4} has ‖x‖² ≤ MAX_SQ_NORM (entries up to
+# ~1.1e18·d^{1/4}/√d). Inside it, every term of every kernel's formula and of the statistics (means of ‖x‖²
+# over the sequence, FAVOR++'s A ≈ −ρ/4) is a float32 number, so the attention is the formula rounded to
+# float32: each log-domain term to ~eps·‖x‖², never a row lost below the float range. Beyond it (‖x‖²
+# overflows at 2^128: exp(−‖x‖²/2) = 0 for every feature, a silent zero row) a row counts as non-finite:
+# NaN in the rows that depend on it (``shared.split_nonfinite``), left out of the statistics.
+MAX_SQ_NORM = 2.0 ** 120
+
+
+def _within(x_LHD):
+  """Per row [..., L, H]: x (already scaled) is finite with ‖x‖² ≤ MAX_SQ_NORM (False for NaN)."""
+  return jnp.sum(jnp.square(x_LHD), axis=-1) <= MAX_SQ_NORM
+
+
+def in_range(z: Float[Array, "... L H D"]) -> Bool[Array, "... L H"]:
+  """Whether each query or key row is inside every kernel's range (finite, ‖z·d^{-1/4}‖² ≤ MAX_SQ_NORM).
+
+  Args:
+    z: queries or keys [..., L, H, D].
+
+  Returns:
+    [..., L, H] bool, False for a row with a non-finite entry or a squared norm beyond the range.
+  """
+  return _within(_scaled(z))
 
 
 def _project(x_LHD, projection):
@@ -194,9 +220,9 @@ def _trigonometric(query: Float[Array, "... Lq H D"], key: Float[Array, "... Lk 
 
 def _query_rows(x_LHD, query_mask):
   """(x with the queries left out zeroed, the count kept per head [..., H]): a mean over queries is a sum
-  divided by it. Left out: those of ``query_mask`` False (padding), and those non-finite in a head (a NaN
-  query is NaN in its own row only, never in the statistic of the others)."""
-  keep = jnp.all(jnp.isfinite(x_LHD), axis=-1)
+  divided by it. Left out: those of ``query_mask`` False (padding), and those non-finite or beyond the range
+  (``MAX_SQ_NORM``) in a head (such a query is NaN in its own row only, never in the statistic of the others)."""
+  keep = _within(x_LHD)
   if query_mask is not None:
     keep = keep & jnp.broadcast_to(query_mask, x_LHD.shape[:-2])[..., None]
   count = jnp.maximum(jnp.sum(keep.astype(jnp.float32), axis=-2), 1.0)
@@ -205,12 +231,13 @@ def _query_rows(x_LHD, query_mask):
 
 def _key_weights(y_LHD, key_mask):
   """(y with masked and non-finite keys zeroed, per key 1/(unmasked keys) or 0 if masked: [..., Lk]): a mean
-  over keys is a contraction with the weights. A non-finite unmasked key is seen by every row (NaN there)."""
+  over keys is a contraction with the weights. A non-finite unmasked key (or one beyond the range) is left out:
+  it is seen by every row (NaN there)."""
   w = jnp.ones(y_LHD.shape[:-2], jnp.float32)
   if key_mask is not None:
     w = jnp.broadcast_to(key_mask, y_LHD.shape[:-2]).astype(jnp.float32)
-  keep = (w > 0)[..., None, None] & jnp.isfinite(y_LHD)
-  return jnp.where(keep, y_LHD, 0.0), w / jnp.maximum(jnp.sum(w, axis=-1, keepdims=True), 1.0)
+  keep = (w > 0)[..., None] & _within(y_LHD)
+  return jnp.where(keep[..., None], y_LHD, 0.0), w / jnp.maximum(jnp.sum(w, axis=-1, keepdims=True), 1.0)
 
 
 def oprf_rho(query: Float[Array, "... Lq H D"], key: Float[Array, "... Lk H D"],
@@ -223,7 +250,7 @@ def oprf_rho(query: Float[Array, "... Lq H D"], key: Float[Array, "... Lk H D"],
   ‖x‖²‾ + ‖y‖²‾ + 2·x̄ᵀȳ, so it costs O(L·d).
   """
   x, count_H, y, w_L = _statistic_inputs(query, key, key_mask, query_mask)
-  x_sq = jnp.sum(jnp.sum(x * x, -1), axis=-2) / count_H  # [..., H]
+  x_sq = jnp.sum(jnp.sum(x * x, -1) / count_H[..., None, :], axis=-2)  # [..., H]; divided first: no overflow
   x_bar = jnp.sum(x, axis=-3) / count_H[..., None]  # [..., H, D]
   y_sq = jnp.einsum("...l,...lh->...h", w_L, jnp.sum(y * y, -1))
   y_bar = jnp.einsum("...l,...lhd->...hd", w_L, y)
@@ -284,7 +311,8 @@ def _optimal_positive(query: Float[Array, "... Lq H D"], key: Float[Array, "... 
     rho = oprf_rho(query, key, key_mask)
   rho = jax.lax.stop_gradient(check_rho(rho, query))
   d = x.shape[-1]
-  a = (1.0 - 2.0 * rho - jnp.sqrt(jnp.square(2.0 * rho + 1.0) + 8.0 * rho)) / 16.0
+  r = 2.0 * rho + 1.0  # √((2ρ+1)² + 8ρ) as r·√(1 + 8ρ/r²): finite for any finite ρ (A ≈ −ρ/4 for large ρ)
+  a = (1.0 - 2.0 * rho - r * jnp.sqrt(1.0 + 8.0 * rho / jnp.square(r))) / 16.0
   a = jnp.where(rho >= 0, a, jnp.nan)  # a traced invalid ρ (NaN, < 0) gives NaN outputs, never zeros
   a_1H1 = a[..., None, :, None]
   b_1H1 = jnp.sqrt(1.0 - 4.0 * a_1H1)
@@ -430,7 +458,7 @@ def saderf_statistic(query: Float[Array, "... Lq H D"], key: Float[Array, "... L
   queries or all keys gets a bounded Ψ_l (every Ψ > 0 is unbiased).
   """
   x, count_H, y, w_L = _statistic_inputs(query, key, key_mask, query_mask)
-  mx, x_bar = (jnp.sum(z, axis=-3) / count_H[..., None] for z in (x * x, x))  # [..., H, D]
+  mx, x_bar = (jnp.sum(z / count_H[..., None, :, None], axis=-3) for z in (x * x, x))  # [..., H, D]
   my, y_bar = jnp.einsum("...l,...lhd->...hd", w_L, y * y), jnp.einsum("...l,...lhd->...hd", w_L, y)
   floor = 1e-8 * jnp.mean(mx + my, axis=-1, keepdims=True) + 1e-30
   log_psi = 0.25 * (jnp.log(my + floor) - jnp.log(mx + floor))

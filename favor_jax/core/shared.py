@@ -27,12 +27,14 @@ from favor_jax.core import kernels as kernels_lib
 NEG_INF = -jnp.inf
 
 
-def split_nonfinite(q, k, v, mask, *, causal: bool, axis_name=None, prior=None):
+def split_nonfinite(q, k, v, mask, *, causal: bool, axis_name=None, prior=None, in_range: bool = True):
   """Non-finite inputs, taken out of the computation and marked (one rule for every algorithm).
 
   Returns q, k, v with non-finite entries (and masked keys) set to 0, and ``bad`` [N, Lq, H]: the
   rows whose exact output depends on a non-finite input — their own query, or
-  an unmasked key or value they may see (j ≤ t if ``causal``). Masked keys are
+  an unmasked key or value they may see (j ≤ t if ``causal``). ``in_range`` (feature maps: every caller but
+  exact softmax and given features): a query or key row beyond the kernels' range
+  (``kernels.in_range``) counts as non-finite, and is set to 0 whole. Masked keys are
   absent, whatever they hold. ``axis_name``: the sequence is split over this
   mesh axis (inside ``shard_map``); keys on earlier devices count as seen (all
   devices', if not causal). ``prior`` [N, H]: a non-finite key came before
@@ -40,7 +42,9 @@ def split_nonfinite(q, k, v, mask, *, causal: bool, axis_name=None, prior=None):
   up to the last position held one (the state after them is poisoned).
   """
   finite = lambda x: jnp.all(jnp.isfinite(x), axis=-1)
-  bad_kv = ~(finite(k) & finite(v)) & mask[:, :, None]
+  ok = kernels_lib.in_range if in_range else finite
+  ok_q, ok_k = ok(q), ok(k)
+  bad_kv = ~(ok_k & finite(v)) & mask[:, :, None]
   if prior is not None:
     bad_kv = bad_kv.at[:, 0].set(bad_kv[:, 0] | prior)
   if causal:
@@ -56,8 +60,9 @@ def split_nonfinite(q, k, v, mask, *, causal: bool, axis_name=None, prior=None):
   zero = lambda x: jnp.where(jnp.isfinite(x), x, jnp.zeros((), x.dtype))
   # Masked keys are zeros from here on: a user's feature map that stabilises over the keys it is given
   # must not scale the unmasked ones by a masked key's features (they could underflow to silent zeros).
-  k = jnp.where(mask[:, :, None, None], zero(k), jnp.zeros((), k.dtype))
-  return zero(q), k, zero(v), ~finite(q) | seen, seen[:, -1]
+  k = jnp.where((mask[:, :, None] & ok_k)[..., None], k, jnp.zeros((), k.dtype))
+  q = jnp.where(ok_q[..., None], q, jnp.zeros((), q.dtype))
+  return q, k, zero(v), ~ok_q | seen, seen[:, -1]
 
 
 def poison(out, bad):

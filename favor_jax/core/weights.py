@@ -89,12 +89,14 @@ def attention_weights(
   q, k = (shared.flatten(x, batch).astype(jnp.float32) for x in (query, key))
   # The rule of every attention function: non-finite inputs out (masked keys zeroed whatever they hold),
   # NaN in the rows that depend on one (bad [N, Lq, H]); the weights have no value, so an empty one.
-  q, k, _, bad, _ = shared.split_nonfinite(q, k, jnp.zeros(k.shape[:-1] + (0,), k.dtype), mask, causal=causal)
+  softmax = isinstance(kernel, str) and kernel == "softmax"
+  q, k, _, bad, _ = shared.split_nonfinite(q, k, jnp.zeros(k.shape[:-1] + (0,), k.dtype), mask, causal=causal,
+                                           in_range=not softmax)
   lq, lk = q.shape[1], k.shape[1]
   gap = jnp.arange(lq)[:, None] - jnp.arange(lk)[None, :]
   allowed = mask[:, None, None, :] & ((gap >= 0) if causal else True)  # [N, 1, Lq, Lk]
   exact = jnp.einsum("nqhd,nkhd->nhqk", q, k) / math.sqrt(query.shape[-1])
-  if isinstance(kernel, str) and kernel == "softmax":
+  if softmax:
     if rho is not None or projection is not None:
       raise ValueError("kernel='softmax' takes no projection and no rho")
     log_w, sign = exact, jnp.ones_like(exact)
