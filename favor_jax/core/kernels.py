@@ -257,14 +257,37 @@ def oprf_rho(query: Float[Array, "... Lq H D"], key: Float[Array, "... Lk H D"],
   return jnp.maximum(x_sq + y_sq + 2 * jnp.sum(x_bar * y_bar, -1), 0.0) / x.shape[-1]  # ≥ 0 but for rounding
 
 
-def _statistic_inputs(query, key, key_mask, query_mask):
+def _statistic_inputs(query, key, key_mask, query_mask, clip=False):
   """x = q·d^{-1/4} with its count of kept queries (``_query_rows``), y = k·d^{-1/4} with its keys'
-  weights (``_key_weights``); inputs checked."""
+  weights (``_key_weights``); inputs checked. ``clip``: both winsorised (``_winsorised``)."""
   checks.check_qk(query, key)
   checks.check_lengths(query, key)
   checks.check_key_mask(key_mask, key.shape)
   checks.check_key_mask(query_mask, query.shape, "query_mask")
-  return (*_query_rows(_scaled(query), query_mask), *_key_weights(_scaled(key), key_mask))
+  x, y = _scaled(query), _scaled(key)
+  if clip:
+    x, y = _winsorised(x, query_mask), _winsorised(y, key_mask)
+  return (*_query_rows(x, query_mask), *_key_weights(y, key_mask))
+
+
+# FAVOR#'s moments are taken of values winsorised at ±√(CLIP · c_l) per coordinate, c_l the larger of the
+# median of x_l² and the median of ‖x‖²/d over the kept rows: one token adds at most CLIP·c_l/n to a mean of
+# n rows, whatever its size. For Gaussian rows the cap is |x_l| > 5.4σ (probability 7e-8): ordinary data
+# are unchanged.
+CLIP = 64.0
+
+
+def _winsorised(x_LHD, row_mask):
+  """x with each coordinate clipped to ±√(CLIP · c_l) (per batch element, head and coordinate; see ``CLIP``),
+  c_l from the rows in range and of ``row_mask`` (None: all) only; the other rows are returned as they are."""
+  keep = _within(x_LHD)
+  if row_mask is not None:
+    keep = keep & jnp.broadcast_to(row_mask, x_LHD.shape[:-2])[..., None]
+  sq = jnp.where(keep[..., None], jnp.square(x_LHD), jnp.nan)
+  per_coordinate = jnp.nanmedian(sq, axis=-3, keepdims=True)
+  per_row = jnp.nanmedian(jnp.sum(sq, -1, keepdims=True), axis=-3, keepdims=True) / x_LHD.shape[-1]
+  cap = jnp.sqrt(CLIP * jnp.fmax(per_coordinate, per_row))  # NaN where no row is kept: nothing to clip
+  return jnp.where(keep[..., None], jnp.clip(x_LHD, -cap, cap), x_LHD)
 
 
 def broadcast_rho(rho, query) -> Float[Array, "... H"]:
@@ -456,8 +479,15 @@ def saderf_statistic(query: Float[Array, "... Lq H D"], key: Float[Array, "... L
   y = k·d^{-1/4}; masked keys, masked queries (``query_mask``: padding) and
   non-finite rows are left out. A coordinate that is (nearly) zero in all
   queries or all keys gets a bounded Ψ_l (every Ψ > 0 is unbiased).
+
+  The means are taken of winsorised values (each coordinate clipped at ±√(CLIP·c_l), c_l the larger of
+  the median x_l² and the median ‖x‖²/d, ``CLIP`` = 64), so that one token cannot set Ψ and ρ for all: it
+  adds at most CLIP·c_l/n to a mean over n rows (log Ψ_l moves by at most ¼·log(1 + CLIP·c_l/(n·m_l))).
+  Data with no value beyond the cap (Gaussian rows: |x_l| > 5.4σ, probability 7e-8) get the paper's
+  statistic unchanged; any Ψ > 0 and A < 1/8 keep the estimator unbiased, so the clip changes its variance
+  only.
   """
-  x, count_H, y, w_L = _statistic_inputs(query, key, key_mask, query_mask)
+  x, count_H, y, w_L = _statistic_inputs(query, key, key_mask, query_mask, clip=True)
   mx, x_bar = (jnp.sum(z / count_H[..., None, :, None], axis=-3) for z in (x * x, x))  # [..., H, D]
   my, y_bar = jnp.einsum("...l,...lhd->...hd", w_L, y * y), jnp.einsum("...l,...lhd->...hd", w_L, y)
   floor = 1e-8 * jnp.mean(mx + my, axis=-1, keepdims=True) + 1e-30
