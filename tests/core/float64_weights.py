@@ -61,10 +61,13 @@ def _log_features(name, q, k, w, statistic):
         wz = np.concatenate([wz, -wz], -1)
       return wz - 0.5 * np.sum(z * z, -1, keepdims=True) - 0.5 * np.log(m * (2 if name == "hyperbolic" else 1))
     return f(x), f(y)
+  rho = None if statistic is None or name == "saderf" else np.asarray(statistic, np.float64)
   if name == "saderf":
-    psi = np.exp(_saderf_statistic(x, y) if statistic is None else statistic)[:, None]
+    given = None if statistic is None else np.asarray(statistic, np.float64)
+    psi = np.exp(_saderf_statistic(x, y) if given is None else given[..., :d])[:, None]
     x, y = x * psi, y / psi
-  rho = _favor_pp_statistic(x, y)
+    rho = None if given is None else given[..., d]
+  rho = _favor_pp_statistic(x, y) if rho is None else rho
   a = _oprf_a(rho)[:, None, :, None]  # [B, 1, H, 1]
   w_sq = np.sum(np.asarray(w, np.float64) ** 2, -1)
   f = lambda z: (np.sqrt(1 - 4 * a) * _project(z, w) - 0.5 * np.sum(z * z, -1, keepdims=True)
@@ -73,8 +76,8 @@ def _log_features(name, q, k, w, statistic):
 
 
 def log_pair_weights(name, q, k, w=None, statistic=None):
-  """(log κ̂(q_i, k_j) [B, H, Lq, Lk], term scale [B, H, Lq, Lk]) in float64. ``statistic``: FAVOR#'s log Ψ
-  [B, H, D] (default: from q and k)."""
+  """(log κ̂(q_i, k_j) [B, H, Lq, Lk], term scale [B, H, Lq, Lk]) in float64. ``statistic``: a data-dependent
+  kernel's, given (FAVOR++: ρ [B, H]; FAVOR#: [B, H, D+1], log Ψ then ρ); default: the paper's, from q and k."""
   head_major = lambda a: np.moveaxis(a, 2, 1)  # [B, L, H, F] -> [B, H, L, F]
   if name == "softmax":
     q, k = (head_major(np.asarray(z, np.float64)) for z in (q, k))
