@@ -94,10 +94,13 @@ def test_inside_the_range_outputs_and_log_weights_match_float64(name, causal):
           args["q"], args["k"], w)), causal=causal, statistic=None if rho is None else np.asarray(rho))
       tol = 16 * EPS * (1 + size)  # [B, H, Lq]
       got_log = np.asarray(log_weights(args["q"], args["k"], w, rho=rho), np.float64)
-      np.testing.assert_array_equal(np.isnan(got_log), np.isnan(want), err_msg=msg)
-      np.testing.assert_array_equal(np.isfinite(got_log), np.isfinite(want), err_msg=msg)
+      # Trigonometric features are sines of ωx: once float32 rounds ωx by a radian (tol ≥ 1, ×1e9) they
+      # are noise in float32 (the formula at rounded inputs), and a weight's sign with them.
+      known = np.broadcast_to((tol < 1)[..., None] if name == "trigonometric" else True, want.shape)
+      np.testing.assert_array_equal(np.isnan(got_log)[known], np.isnan(want)[known], err_msg=msg)
+      np.testing.assert_array_equal(np.isfinite(got_log)[known], np.isfinite(want)[known], err_msg=msg)
       finite = np.isfinite(want)
-      err = np.where(finite, np.abs(got_log - np.where(finite, want, 0)), 0)
+      err = np.where(finite & np.isfinite(got_log), np.abs(got_log - np.where(finite, want, 0)), 0)
       assert np.all(err <= tol[..., None]), f"{msg}: log weights off by {err.max():.3g}"
       got = np.asarray(attend(args["q"], args["k"], v, w, rho), np.float64)
       if name in ("trigonometric", "relu"):  # weights that can be negative or 0: compared through log A only
