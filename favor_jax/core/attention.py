@@ -2,6 +2,10 @@
 
 Layout: query ``[..., Lq, H, D]``, key ``[..., Lk, H, D]``, value ``[..., Lk, H, Dv]``,
 output ``[..., Lq, H, Dv]`` in the inputs' dtype; float32 inside.
+
+Each public function checks its arguments once, here (``inputs.validate``, ``checks``), resolves its
+kernel into a :class:`~favor_jax.core.features.Features` record, and runs its algorithm
+(``bidirectional``, ``causal``'s methods, ``hybrid``) inside the input envelope (``inputs.envelope``).
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from favor_jax.core import features as features_lib
 from favor_jax.core import hybrid as hybrid_lib
 from favor_jax.core import kernels as kernels_lib
 from favor_jax.core import state as state_lib
-from favor_jax.core.features import for_call as _feature_fn
+from favor_jax.core.features import for_call as _feature_fn  # (tests and experiments/blocks.py read it here)
 
 __all__ = [
     "softmax_attention", "linear_attention", "favor_attention", "hybrid_attention", "favor_decode_init",
