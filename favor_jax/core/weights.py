@@ -13,7 +13,9 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float
 
-from favor_jax.core import attention, checks, shared
+from favor_jax.core import checks, inputs
+from favor_jax.core import features as features_lib
+from favor_jax.core import state as state_lib
 
 __all__ = ["attention_weights"]
 
@@ -22,8 +24,8 @@ QUERY_BLOCK = 32  # query rows per step of the kernel log-weights ([block, Lk, F
 
 def _kernel_log_weights(fq, fk):
   """log |φ(q_i)ᵀφ(k_j)| and its sign, [N, H, Lq, Lk], exact for any feature sizes (no underflow)."""
-  log_q, mult_q = shared.parts(fq)  # L-major [N, L, H, Fm], [N, L, H, F] (mult may be None)
-  log_k, mult_k = shared.parts(fk)
+  log_q, mult_q = state_lib.parts(fq)  # L-major [N, L, H, Fm], [N, L, H, F] (mult may be None)
+  log_k, mult_k = state_lib.parts(fk)
   head_major = lambda x: None if x is None else jnp.moveaxis(x, 1, 2)  # [N, H, L, F]
   log_q, mult_q, log_k, mult_k = map(head_major, (log_q, mult_q, log_k, mult_k))
 
@@ -84,8 +86,8 @@ def attention_weights(
   if causal or window:
     checks.check_causal_lengths(query, key, "causal attention" if causal else "a window (positions t − j)")
   batch = query.shape[:-3]
-  mask = shared.mask_NL(key_mask, key)
-  q, k = (shared.flatten(x, batch).astype(jnp.float32) for x in (query, key))
+  mask = inputs.mask_NL(key_mask, key)
+  q, k = (inputs.flatten(x, batch).astype(jnp.float32) for x in (query, key))
   k = jnp.where(mask[:, :, None, None], k, 0.0)  # masked keys are ignored whatever they hold (NaN included)
   lq, lk = q.shape[1], k.shape[1]
   gap = jnp.arange(lq)[:, None] - jnp.arange(lk)[None, :]
@@ -96,19 +98,19 @@ def attention_weights(
       raise ValueError("kernel='softmax' takes no projection and no rho")
     log_w, sign = exact, jnp.ones_like(exact)
   else:
-    feature_fn = attention._feature_fn(kernel, projection, rho, query, key, key_mask, causal, blocked=True,
-                                       query_mask=query_mask)
-    log_w, sign = _kernel_log_weights(*feature_fn(q, k))
+    features = features_lib.for_call(kernel, projection, rho, query, key, key_mask, causal, blocked=True,
+                                     query_mask=query_mask)
+    log_w, sign = _kernel_log_weights(*features.fn(q, k))
     if window:
       near = (jnp.abs(gap) < window) & ((gap >= 0) if causal else True)
       log_w, sign = jnp.where(near, exact, log_w), jnp.where(near, 1.0, sign)
   log_w = jnp.where(allowed, log_w, -jnp.inf)
   if log:
     total = jax.nn.logsumexp(log_w, axis=-1, keepdims=True)
-    out = jnp.where(jnp.isfinite(total), log_w - shared.finite_or_zero(total), -jnp.inf)
+    out = jnp.where(jnp.isfinite(total), log_w - state_lib.finite_or_zero(total), -jnp.inf)
     out = jnp.where(jnp.any(allowed & (sign < 0), axis=-1, keepdims=True), jnp.nan, out)
     return out.reshape(batch + out.shape[1:])
   peak = jax.lax.stop_gradient(jnp.max(log_w, axis=-1, keepdims=True))
-  w = sign * jnp.exp(log_w - shared.finite_or_zero(peak))
-  out = shared.divide(w, jnp.sum(w, axis=-1))
+  w = sign * jnp.exp(log_w - state_lib.finite_or_zero(peak))
+  out = state_lib.divide(w, jnp.sum(w, axis=-1))
   return out.reshape(batch + out.shape[1:])
