@@ -35,6 +35,11 @@ myst_heading_anchors = 3
 # The tests execute the notebooks (tests/test_notebooks*.py); the docs show what they stored.
 nb_execution_mode = "off"
 
+# A reference to one of our own names (written in full, ``favor_jax.…``) must resolve; references to other
+# libraries' types (jax.Array, jaxtyping's Float[...], flax) are not checked (no intersphinx: builds offline).
+nitpicky = True
+nitpick_ignore_regex = [(r"py:.*", r"(?!favor_jax\.).*")]
+
 autosummary_generate = False  # the API pages list every name themselves (tests/test_docs.py checks they are all there)
 autodoc_default_options = {"members": False, "undoc-members": False}
 autodoc_member_order = "bysource"
