@@ -26,8 +26,9 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Bool, Float
 
 from favor_jax.core import bidirectional as bidirectional_lib
-from favor_jax.core import causal as causal_lib
-from favor_jax.core import checks, shared
+from favor_jax.core import causal_xla, checks, inputs
+from favor_jax.core import features as features_lib
+from favor_jax.core import state as state_lib
 
 __all__ = ["sequence_parallel_attention", "communication_bytes"]
 
@@ -80,11 +81,11 @@ def sequence_parallel_attention(
     _check_axis(mesh, batch_axis, "batch_axis")
     if batch_axis == axis_name:
       raise ValueError(f"batch_axis must differ from axis_name (the sequence's axis), got {batch_axis!r} for both")
-  shared.validate(query, key, value, key_mask, causal)
+  inputs.validate(query, key, value, key_mask, causal)
   if query.shape[-3] != key.shape[-3]:
     raise ValueError(f"sequence-parallel attention needs query and key of one length; got query "
                      f"{query.shape} and key {key.shape}")
-  kern, data_dependent = shared.resolve_kernel(kernel, projection, rho, query)
+  kern, data_dependent = features_lib.resolve_kernel(kernel, projection, rho, query)
   if data_dependent and rho is None:
     raise ValueError(f"kernel {kernel!r} needs an explicit rho {kern.statistic_shape(query.shape)} under "
                      f"sequence parallelism (e.g. kernels.{kern.compute_statistic.__name__}(query, key) "
@@ -96,11 +97,8 @@ def sequence_parallel_attention(
     jax.eval_shape(lambda q: kern.log_features(q, q, projection, **{kern.statistic: rho}), one)
   chunk_size = checks.check_chunk_size(chunk_size)
 
-  batch = query.shape[:-3]
-  q, k, v = (shared.flatten(x, batch) for x in (query, key, value))
-  mask = shared.mask_NL(key_mask, key)
-  rho_NH = shared.flat_rho(rho, query, kern)
-  if batch_axis is not None and q.shape[0] % mesh.shape[batch_axis]:
+  rho_NH = features_lib.flat_rho(rho, query, kern)
+  if batch_axis is not None and math.prod(query.shape[:-3]) % mesh.shape[batch_axis]:
     batch_axis = None  # a layout hint only: a batch the axis does not divide (e.g. at init) is replicated
   seq = P(batch_axis, axis_name)
   # q, k, v, mask split along the sequence (and batch); the projection on every device; ρ [N, H, ...] split
@@ -110,9 +108,10 @@ def sequence_parallel_attention(
     hash(kern)
   except TypeError:  # e.g. a callable dataclass: a static argument must hash (compiled per call instead)
     kern = _ByIdentity(kern)
-  out = _sharded(q, k, v, mask, projection, rho_NH, mesh=mesh, axis_name=axis_name, specs=specs, kern=kern,
-                 causal=bool(causal), chunk_size=chunk_size)
-  return out.reshape(batch + out.shape[1:]).astype(shared.out_dtype(query, key, value))
+  sharded = functools.partial(_sharded, mesh=mesh, axis_name=axis_name, specs=specs, kern=kern,
+                              causal=bool(causal), chunk_size=chunk_size)
+  return inputs.over_batch(lambda q, k, v, mask: (sharded(q, k, v, mask, projection, rho_NH), None),
+                           query, key, value, key_mask)[0]
 
 
 class _ByIdentity:
@@ -130,8 +129,8 @@ def _sharded(q, k, v, mask, projection, rho_NH, *, mesh, axis_name, specs, kern,
   kern = kern.kern if isinstance(kern, _ByIdentity) else kern
   length = q.shape[1]
   padded = -(-length // mesh.shape[axis_name]) * mesh.shape[axis_name]
-  q, k, v = (shared.pad_to(x, padded) for x in (q, k, v))
-  mask = shared.pad_to(mask, padded, False)
+  q, k, v = (inputs.pad_to(x, padded) for x in (q, k, v))
+  mask = inputs.pad_to(mask, padded, False)
   args = (q, k, v, mask, projection, rho_NH)
   explicit = jax.sharding.AxisType.Explicit in mesh.axis_types
   if explicit:  # explicit meshes want inputs laid out as the specs say
@@ -139,15 +138,16 @@ def _sharded(q, k, v, mask, projection, rho_NH, *, mesh, axis_name, specs, kern,
 
   def local(q, k, v, mask, projection, rho_NH):
     # Row-local feature stabilisation only: a max over "all positions" would differ per device.
-    feature_fn = shared.feature_fn_for(kern, projection, rho_NH, causal=True)
-    q, k, v, bad, _ = shared.split_nonfinite(q, k, v, mask, causal=causal, axis_name=axis_name)
-    v = v.astype(jnp.float32)
-    if causal:
-      prefix = causal_lib.exclusive_prefix(shared.key_state(feature_fn, k, v, mask), axis_name)
-      out = causal_lib.chunked(feature_fn, q, k, v, mask, chunk_size=chunk_size, state=prefix, divide=True)
-    else:
-      out = bidirectional_lib.bidirectional(feature_fn, q, k, v, mask, axis_name=axis_name, divide=True)
-    return shared.poison(out, bad)
+    features = features_lib.of_kernel(kern, projection, rho_NH, causal=True)
+
+    def algorithm(q, k, v, mask, _):
+      v = v.astype(jnp.float32)
+      if causal:
+        prefix = causal_xla.exclusive_prefix(state_lib.key_state(features, k, v, mask), axis_name)
+        return causal_xla.chunked(features, q, k, v, mask, chunk_size=chunk_size, state=prefix, divide=True), None
+      return bidirectional_lib.bidirectional(features, q, k, v, mask, axis_name=axis_name, divide=True), None
+
+    return inputs.without_nonfinite(algorithm, q, k, v, mask, causal=causal, axis_name=axis_name)[0]
 
   out = jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=specs[0])(*args)
   if padded != length:

@@ -2,6 +2,10 @@
 
 Layout: query ``[..., Lq, H, D]``, key ``[..., Lk, H, D]``, value ``[..., Lk, H, Dv]``,
 output ``[..., Lq, H, Dv]`` in the inputs' dtype; float32 inside.
+
+Each public function checks its arguments once, here (``inputs.validate``, ``checks``), resolves its
+kernel into a :class:`~favor_jax.core.features.Features` record, and runs its algorithm
+(``bidirectional``, ``causal``'s methods, ``hybrid``) inside the input envelope (``inputs.envelope``).
 """
 
 from __future__ import annotations
@@ -14,9 +18,12 @@ from jaxtyping import Array, Bool, Float
 
 from favor_jax.core import bidirectional as bidirectional_lib
 from favor_jax.core import causal as causal_lib
-from favor_jax.core import checks, shared
+from favor_jax.core import causal_xla, checks, inputs
+from favor_jax.core import features as features_lib
 from favor_jax.core import hybrid as hybrid_lib
 from favor_jax.core import kernels as kernels_lib
+from favor_jax.core import state as state_lib
+from favor_jax.core.features import for_call as _feature_fn  # (tests and experiments/blocks.py read it here)
 
 __all__ = [
     "softmax_attention", "linear_attention", "favor_attention", "hybrid_attention", "favor_decode_init",
@@ -36,38 +43,33 @@ def softmax_attention(
 
   A query that can see no key (all masked) returns 0.
   """
-  shared.validate(query, key, value, key_mask, causal)
-  batch = query.shape[:-3]
-  mask = shared.mask_NL(key_mask, key)
-  q, k, v, bad, _ = shared.split_nonfinite(*(shared.flatten(x, batch) for x in (query, key, value)), mask,
-                                              causal=causal, in_range=False)
-  f32 = jnp.float32
-  logits = jnp.einsum("nqhd,nkhd->nhqk", q.astype(f32), k.astype(f32)) / math.sqrt(query.shape[-1])
-  allowed = mask[:, None, None, :]
-  if causal:
-    allowed = allowed & jnp.tril(jnp.ones(logits.shape[-2:], bool))
-  logits = jnp.where(allowed, logits, -jnp.inf)
-  peak = jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
-  weights = jnp.exp(logits - jnp.where(jnp.isfinite(peak), peak, 0.0))
-  num = jnp.einsum("nhqk,nkhd->nqhd", weights, v.astype(f32))
-  out = shared.poison(shared.divide(num, jnp.moveaxis(jnp.sum(weights, axis=-1), -2, -1)), bad)
-  return out.reshape(batch + out.shape[1:]).astype(shared.out_dtype(query, key, value))
+  inputs.validate(query, key, value, key_mask, causal)
+
+  def exact(q, k, v, mask):
+    f32 = jnp.float32
+    logits = jnp.einsum("nqhd,nkhd->nhqk", q.astype(f32), k.astype(f32)) / math.sqrt(query.shape[-1])
+    allowed = mask[:, None, None, :]
+    if causal:
+      allowed = allowed & jnp.tril(jnp.ones(logits.shape[-2:], bool))
+    logits = jnp.where(allowed, logits, -jnp.inf)
+    peak = jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
+    weights = jnp.exp(logits - jnp.where(jnp.isfinite(peak), peak, 0.0))
+    num = jnp.einsum("nhqk,nkhd->nqhd", weights, v.astype(f32))
+    return state_lib.divide(num, jnp.moveaxis(jnp.sum(weights, axis=-1), -2, -1))
+
+  return inputs.envelope(exact, query, key, value, key_mask, causal=causal, in_range=False)
 
 
-def _run(feature_fn, query, key, value, key_mask, causal, causal_method, chunk_size, in_range=True):
-  batch = query.shape[:-3]
-  mask = shared.mask_NL(key_mask, key)
-  q, k, v, bad, _ = shared.split_nonfinite(*(shared.flatten(x, batch) for x in (query, key, value)), mask,
-                                              causal=causal, in_range=in_range)
-  v = v.astype(jnp.float32)
-  if not causal:
-    out = bidirectional_lib.bidirectional(feature_fn, q, k, v, mask, divide=True)
-  elif causal_method in ("auto", "chunked", "pallas"):
-    out = causal_lib.CAUSAL_METHODS[causal_method](feature_fn, q, k, v, mask, chunk_size=chunk_size, divide=True)
-  else:
-    out = shared.divide(*causal_lib.CAUSAL_METHODS[causal_method](feature_fn, q, k, v, mask))
-  out = shared.poison(out, bad)
-  return out.reshape(batch + out.shape[1:]).astype(shared.out_dtype(query, key, value))
+def _linear(features, query, key, value, key_mask, causal, causal_method, chunk_size, in_range=True):
+  """Normalised linear attention by ``features`` in the input envelope: the bidirectional pass, or the causal
+  one ``causal_method`` chooses (arguments checked by the caller)."""
+  def algorithm(q, k, v, mask):
+    v = v.astype(jnp.float32)
+    if not causal:
+      return bidirectional_lib.bidirectional(features, q, k, v, mask, divide=True)
+    return causal_lib.attend(features, q, k, v, mask, causal_method=causal_method, chunk_size=chunk_size)
+
+  return inputs.envelope(algorithm, query, key, value, key_mask, causal=causal, in_range=in_range)
 
 
 def linear_attention(
@@ -87,17 +89,11 @@ def linear_attention(
   Equals ``(A v) / (A 1)`` with ``A = φ ψᵀ`` (lower-triangular if causal) without
   forming A. Rows with a zero denominator return 0. Features are used as given.
   """
-  shared.validate(query_features, key_features, value, key_mask, causal, "query_features", "key_features")
+  inputs.validate(query_features, key_features, value, key_mask, causal, "query_features", "key_features")
   checks.check_causal_method(causal_method, causal_lib.CAUSAL_METHODS, causal)
   chunk_size = checks.check_chunk_size(chunk_size)
-
-  def feature_fn(qf, kf):
-    as_is = lambda x: kernels_lib.LogFeatures(None, x.astype(jnp.float32))
-    return as_is(qf), as_is(kf)
-
-  feature_fn.layout_free = True
-  return _run(feature_fn, query_features, key_features, value, key_mask, causal,
-              causal_method, chunk_size, in_range=False)
+  return _linear(features_lib.as_given(), query_features, key_features, value, key_mask, causal, causal_method,
+                 chunk_size, in_range=False)
 
 
 def favor_attention(
@@ -169,27 +165,11 @@ def favor_attention(
   same for every ω, so keys are weighted by exp(−‖k‖²/(2√d)); ReLU features
   are 0 and every row is 0; trigonometric ones weight keys by exp(+‖k‖²/(2√d)).
   """
-  shared.validate(query, key, value, key_mask, causal, query_mask=query_mask)
+  inputs.validate(query, key, value, key_mask, causal, query_mask=query_mask)
   checks.check_causal_method(causal_method, causal_lib.CAUSAL_METHODS, causal)
   chunk_size = checks.check_chunk_size(chunk_size)
-  feature_fn = _feature_fn(kernel, projection, rho, query, key, key_mask, causal, query_mask=query_mask)
-  return _run(feature_fn, query, key, value, key_mask, causal, causal_method, chunk_size)
-
-
-def _feature_fn(kernel, projection, rho, query, key, key_mask, causal, blocked=False, query_mask=None):
-  """The kernel's feature_fn, with its statistic from the whole sequence (its unmasked keys, the queries
-  of ``query_mask``) unless causal (then given).
-
-  ``blocked``: the features are taken block by block even when not causal, so a
-  user callable must not stabilise its keys over the call's positions.
-  """
-  kern, data_dependent = shared.resolve_kernel(kernel, projection, rho, query)
-  if data_dependent and rho is None:
-    if causal:
-      raise kernels_lib.causal_statistic_error(kern, query)
-    rho = kern.compute_statistic(query, key, key_mask, query_mask)
-  rho_NH = shared.flat_rho(rho, query, kern)
-  return shared.feature_fn_for(kern, projection, rho_NH, causal or blocked)
+  features = _feature_fn(kernel, projection, rho, query, key, key_mask, causal, query_mask=query_mask)
+  return _linear(features, query, key, value, key_mask, causal, causal_method, chunk_size)
 
 
 def hybrid_attention(
@@ -218,23 +198,21 @@ def hybrid_attention(
   the causal stabiliser never looks ahead. Needs Lq = Lk (positions are shared).
   Masks, non-finite inputs, ``rho`` and ``query_mask`` behave as in :func:`favor_attention`.
   """
-  shared.validate(query, key, value, key_mask, causal, query_mask=query_mask)
+  inputs.validate(query, key, value, key_mask, causal, query_mask=query_mask)
   checks.check_causal_lengths(query, key, "hybrid attention (its window is positions t − j, causal or not)")
   window = checks.check_window(window)
   chunk_size = checks.check_chunk_size(chunk_size)
+  # Window 0 is favor_attention with causal_method "auto", its other arguments checked above.
+  features = _feature_fn(kernel, projection, rho, query, key, key_mask, causal, blocked=window > 0,
+                         query_mask=query_mask)
   if window == 0:
-    return favor_attention(query, key, value, projection, kernel=kernel, causal=causal, key_mask=key_mask,
-                           rho=rho, chunk_size=chunk_size, query_mask=query_mask)
-  feature_fn = _feature_fn(kernel, projection, rho, query, key, key_mask, causal, blocked=True,
-                           query_mask=query_mask)
-  batch = query.shape[:-3]
-  mask = shared.mask_NL(key_mask, key)
-  q, k, v, bad, _ = shared.split_nonfinite(*(shared.flatten(x, batch) for x in (query, key, value)), mask,
-                                              causal=causal)
-  q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
-  num, den = hybrid_lib.hybrid(feature_fn, q, k, v, mask, window, causal, chunk_size)
-  out = shared.poison(shared.divide(num, den), bad)
-  return out.reshape(batch + out.shape[1:]).astype(shared.out_dtype(query, key, value))
+    return _linear(features, query, key, value, key_mask, causal, "auto", chunk_size)
+
+  def algorithm(q, k, v, mask):
+    q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
+    return state_lib.divide(*hybrid_lib.hybrid(features, q, k, v, mask, window, causal, chunk_size))
+
+  return inputs.envelope(algorithm, query, key, value, key_mask, causal=causal)
 
 
 def favor_decode_init(
@@ -244,7 +222,7 @@ def favor_decode_init(
     *,
     kernel="positive",
     window: int = 0,
-) -> shared.RecurrentState | hybrid_lib.HybridState:
+) -> state_lib.RecurrentState | hybrid_lib.HybridState:
   """The empty state for :func:`favor_decode_step`, sized from one step's inputs.
 
   ``window=0``: a :class:`RecurrentState`, S = Σ_j e^{log φ(k_j) − μ}[v_j, 1]ᵀ per
@@ -257,14 +235,14 @@ def favor_decode_init(
   and projection it was built with are not recorded (a state is arrays only, to
   pass through jit and scans): continue it with those it was made with.
   """
-  shared.validate(query, query, value, None, True)
+  inputs.validate(query, query, value, None, True)
   window = checks.check_window(window)
-  kern, data_dependent = shared.resolve_kernel(kernel, projection, None, query)
+  kern, data_dependent = features_lib.resolve_kernel(kernel, projection, None, query)
   rho = jnp.zeros(kern.statistic_shape(query.shape)) if data_dependent else None
-  feature_fn = shared.feature_fn_for(kern, projection, shared.flat_rho(rho, query, kern), True)
+  features = features_lib.of_kernel(kern, projection, features_lib.flat_rho(rho, query, kern), True)
   batch = query.shape[:-3]
-  q, v = shared.flatten(query, batch), shared.flatten(value, batch)
-  state = hybrid_lib.initial_state(feature_fn, q, v, window) if window else shared.initial_state(feature_fn, q, q, v)
+  q, v = inputs.flatten(query, batch), inputs.flatten(value, batch)
+  state = hybrid_lib.initial_state(features, q, v, window) if window else state_lib.initial_state(features, q, q, v)
   return _state_batch(state, batch)
 
 
@@ -275,13 +253,13 @@ def _state_batch(state, batch):
 
 def _state_flat(state, batch):
   """Inverse of :func:`_state_batch`: the leading dimensions ``batch`` flattened into one."""
-  return jax.tree.map(lambda x: shared.flatten(x, batch) if x.ndim else x, state)
+  return jax.tree.map(lambda x: inputs.flatten(x, batch) if x.ndim else x, state)
 
 
 def _check_state(state, want):
   """``state`` as the type ``want`` has (a plain (mu, s) tuple is taken as a RecurrentState), or a clear error."""
-  if isinstance(want, shared.RecurrentState) and type(state) is tuple and len(state) == 2:
-    state = shared.RecurrentState(*state)
+  if isinstance(want, state_lib.RecurrentState) and type(state) is tuple and len(state) == 2:
+    state = state_lib.RecurrentState(*state)
   leaves = lambda s: [getattr(x, "shape", None) for x in jax.tree_util.tree_leaves(s)]
   if type(state) is not type(want) or leaves(state) != leaves(want):
     got = f"{type(state).__name__} with shapes {leaves(state)}"
@@ -298,7 +276,7 @@ def _check_state(state, want):
 
 
 def favor_decode_step(
-    state: shared.RecurrentState | hybrid_lib.HybridState,
+    state: state_lib.RecurrentState | hybrid_lib.HybridState,
     query: Float[Array, "... l H D"],
     key: Float[Array, "... l H D"],
     value: Float[Array, "... l H Dv"],
@@ -309,7 +287,7 @@ def favor_decode_step(
     rho: Float[Array, "... H"] | Float[Array, "... H D+1"] | None = None,
     chunk_size: int = 64,
     window: int = 0,
-) -> tuple[shared.RecurrentState | hybrid_lib.HybridState, Float[Array, "... l H Dv"]]:
+) -> tuple[state_lib.RecurrentState | hybrid_lib.HybridState, Float[Array, "... l H Dv"]]:
   """Continues causal FAVOR attention from ``state`` by l ≥ 1 tokens; O(M·Dv) state per head:
 
       S ← S + φ(k_t)[v_t, 1]ᵀ,   out_t = φ(q_t)ᵀS[:, :Dv] / φ(q_t)ᵀS[:, Dv]
@@ -321,35 +299,37 @@ def favor_decode_step(
   state; tokens are taken one at a time). A non-finite key or value makes this
   and every later output NaN (the returned state is NaN).
   """
-  shared.validate(query, key, value, key_mask, True)
+  inputs.validate(query, key, value, key_mask, True)
   chunk_size = checks.check_chunk_size(chunk_size)
   window = checks.check_window(window)
-  feature_fn = _feature_fn(kernel, projection, rho, query, key, key_mask, True)
+  features = _feature_fn(kernel, projection, rho, query, key, key_mask, True)
   batch = query.shape[:-3]
-  q, k, v = (shared.flatten(x, batch) for x in (query, key, value))
-  empty = (lambda q, k, v: hybrid_lib.initial_state(feature_fn, q, v, window)) if window else (
-      lambda q, k, v: shared.initial_state(feature_fn, q, k, v))
-  want = jax.eval_shape(lambda *x: _state_batch(empty(*x), batch), q, k, v)
+  empty = (lambda q, k, v: hybrid_lib.initial_state(features, q, v, window)) if window else (
+      lambda q, k, v: state_lib.initial_state(features, q, k, v))
+  want = jax.eval_shape(lambda *x: _state_batch(empty(*(inputs.flatten(y, batch) for y in x)), batch),
+                        query, key, value)
   state = _state_flat(_check_state(state, want), batch)
   recurrent = state.recurrent if window else state
-  mask = shared.mask_NL(key_mask, key)
   poisoned = ~jnp.all(jnp.isfinite(recurrent.s), axis=(-2, -1)) | jnp.any(jnp.isnan(recurrent.mu), axis=-1)
-  q, k, v, bad, poisoned = shared.split_nonfinite(q, k, v, mask, causal=True, prior=poisoned)
-  q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
-  clean = lambda s: shared.RecurrentState(*(jnp.where(jnp.isfinite(x) | jnp.isneginf(x), x, 0.0) for x in s))
-  spoil = lambda s: shared.RecurrentState(*(jnp.where(poisoned.reshape(poisoned.shape + (1,) * (x.ndim - 2)),
-                                                          jnp.nan, x) for x in s))
-  if window:
-    state, num, den = hybrid_lib.step(feature_fn, state._replace(recurrent=clean(recurrent)), q, k, v, mask)
-    state = state._replace(recurrent=spoil(state.recurrent))
-  elif q.shape[1] == 1:
-    fq, fk = feature_fn(q, k)
-    first = lambda f: kernels_lib.LogFeatures(*(None if x is None else x[:, 0] for x in f))
-    state, num, den = causal_lib.advance(clean(state), first(fq), first(fk), v[:, 0], mask[:, 0])
-    num, den, state = num[:, None], den[:, None], spoil(state)
-  else:
-    num, den, state = causal_lib.chunked(feature_fn, q, k, v, mask, chunk_size=chunk_size, state=clean(state),
+  clean = lambda s: state_lib.RecurrentState(*(jnp.where(jnp.isfinite(x) | jnp.isneginf(x), x, 0.0) for x in s))
+
+  def step(q, k, v, mask, seen):  # seen [N, H]: a non-finite key or value up to the last token (or before)
+    spoil = lambda s: state_lib.RecurrentState(*(jnp.where(seen.reshape(seen.shape + (1,) * (x.ndim - 2)),
+                                                           jnp.nan, x) for x in s))
+    q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
+    if window:
+      new, num, den = hybrid_lib.step(features, state._replace(recurrent=clean(recurrent)), q, k, v, mask)
+      new = new._replace(recurrent=spoil(new.recurrent))
+    elif q.shape[1] == 1:
+      fq, fk = features.fn(q, k)
+      first = lambda f: kernels_lib.LogFeatures(*(None if x is None else x[:, 0] for x in f))
+      new, num, den = causal_xla.advance(clean(state), first(fq), first(fk), v[:, 0], mask[:, 0])
+      num, den, new = num[:, None], den[:, None], spoil(new)
+    else:
+      num, den, new = causal_xla.chunked(features, q, k, v, mask, chunk_size=chunk_size, state=clean(state),
                                          return_state=True)
-    state = spoil(state)
-  out = shared.poison(shared.divide(num, den), bad)
-  return _state_batch(state, batch), out.reshape(batch + out.shape[1:]).astype(shared.out_dtype(query, key, value))
+      new = spoil(new)
+    return state_lib.divide(num, den), new
+
+  out, state = inputs.decode_envelope(step, query, key, value, key_mask, prior=poisoned)
+  return _state_batch(state, batch), out

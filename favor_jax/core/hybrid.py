@@ -24,8 +24,9 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array
 
-from favor_jax.core import causal as causal_lib
-from favor_jax.core import shared
+from favor_jax.core import causal_xla, inputs
+from favor_jax.core import state as state_lib
+from favor_jax.core.features import head_major
 
 LOCAL_BLOCK = 32  # the smallest query block of the exact part (larger windows use blocks of `window`)
 
@@ -36,13 +37,13 @@ class HybridState(NamedTuple):
   values: Array  # [N, W, H, Dv]
   valid: Array  # bool [N, W]: the slot holds an unmasked key
   position: Array  # int32 []: tokens seen so far
-  recurrent: shared.RecurrentState  # the keys that left the window
+  recurrent: state_lib.RecurrentState  # the keys that left the window
 
 
 def merge(*terms):
   """Sums (num [..., Dv], den [...], log-scale [...]) terms, each the sum times e^{−scale}, on their
   common largest scale; returns (num, den) on that scale. A −∞ scale is an empty term."""
-  top = shared.finite_or_zero(jax.lax.stop_gradient(jnp.max(jnp.stack([s for _, _, s in terms]), axis=0)))
+  top = state_lib.finite_or_zero(jax.lax.stop_gradient(jnp.max(jnp.stack([s for _, _, s in terms]), axis=0)))
   weights = [jnp.exp(jax.lax.stop_gradient(s) - top) for _, _, s in terms]  # 0 for an empty term
   num = sum(n * w[..., None] for (n, _, _), w in zip(terms, weights))
   den = sum(d * w for (_, d, _), w in zip(terms, weights))
@@ -53,7 +54,7 @@ def _exact(logits, allowed, v, spec):
   """Softmax terms of logits where allowed: (num, den, log-scale) with the row's max as scale."""
   logits = jnp.where(allowed, logits, -jnp.inf)
   peak = jax.lax.stop_gradient(jnp.max(logits, axis=-1))
-  weights = jnp.exp(logits - shared.finite_or_zero(peak)[..., None])
+  weights = jnp.exp(logits - state_lib.finite_or_zero(peak)[..., None])
   return jnp.einsum(spec, weights, v), jnp.sum(weights, axis=-1), peak
 
 
@@ -66,7 +67,7 @@ def local(q, k, v, mask, window: int, causal: bool):
   n, length, h, d = q.shape
   c = min(max(window, LOCAL_BLOCK), length)
   nb = -(-length // c)
-  blocks = lambda x, fill=0: shared.pad_to(x, nb * c, fill).reshape((n, nb, c) + x.shape[2:])
+  blocks = lambda x, fill=0: inputs.pad_to(x, nb * c, fill).reshape((n, nb, c) + x.shape[2:])
   q_NbCHD, k_NbCHD, v_NbCHE, m_NbC = blocks(q), blocks(k), blocks(v), blocks(mask, False)
 
   def context(x, fill):  # the key blocks a query block may reach: previous, own (and next)
@@ -96,11 +97,11 @@ def _delayed(x, window, fill=0):
   return jnp.concatenate([head, x[:, :max(length - window, 0)]], axis=1)
 
 
-def distant(feature_fn, q, k, v, mask, window: int, causal: bool, chunk_size: int):
+def distant(features, q, k, v, mask, window: int, causal: bool, chunk_size: int):
   """The kernel part: keys with j ≤ t − w (and j ≥ t + w unless causal); (num, den, log-scale)."""
   def before(q, k, v, mask):
     delay = lambda x, fill=0: _delayed(x, window, fill)
-    return causal_lib.chunked(feature_fn, q, delay(k), delay(v), delay(mask, False), chunk_size=chunk_size,
+    return causal_xla.chunked(features, q, delay(k), delay(v), delay(mask, False), chunk_size=chunk_size,
                               return_scale=True)
 
   terms = [before(q, k, v, mask)]
@@ -110,21 +111,21 @@ def distant(feature_fn, q, k, v, mask, window: int, causal: bool, chunk_size: in
   return merge(*terms) + (jnp.max(jnp.stack([s for _, _, s in terms]), axis=0),)
 
 
-def hybrid(feature_fn, q, k, v, mask, window: int, causal: bool, chunk_size: int):
+def hybrid(features, q, k, v, mask, window: int, causal: bool, chunk_size: int):
   """(num, den) of hybrid attention on one common per-row scale (inputs as in ``local``)."""
-  return merge(local(q, k, v, mask, window, causal), distant(feature_fn, q, k, v, mask, window, causal,
+  return merge(local(q, k, v, mask, window, causal), distant(features, q, k, v, mask, window, causal,
                                                                chunk_size))
 
 
-def initial_state(feature_fn, q, v, window: int) -> HybridState:
+def initial_state(features, q, v, window: int) -> HybridState:
   n, _, h, d = q.shape
   return HybridState(jnp.zeros((n, window, h, d), jnp.float32),
                      jnp.zeros((n, window, h, v.shape[-1]), jnp.float32),
                      jnp.zeros((n, window), bool), jnp.zeros((), jnp.int32),
-                     shared.initial_state(feature_fn, q, q, v))
+                     state_lib.initial_state(features, q, q, v))
 
 
-def step(feature_fn, state: HybridState, q, k, v, mask):
+def step(features, state: HybridState, q, k, v, mask):
   """Tokens one at a time: the key leaving the window joins the features, the new one the buffer.
 
   q, k [N, l, H, D], v [N, l, H, Dv] (finite), mask [N, l]. Returns (state, num, den) on a common scale.
@@ -136,15 +137,15 @@ def step(feature_fn, state: HybridState, q, k, v, mask):
     q_t, k_t, v_t, m_t = x
     slot = state.position % window
     old = lambda a: jax.lax.dynamic_index_in_dim(a, slot, axis=1, keepdims=True)
-    fk_old = shared.head_major(feature_fn, old(state.keys)[:, :0], old(state.keys))[1]
-    recurrent = shared.add_keys(state.recurrent, fk_old, old(state.values), old(state.valid))
+    fk_old = head_major(features, old(state.keys)[:, :0], old(state.keys))[1]
+    recurrent = state_lib.add_keys(state.recurrent, fk_old, old(state.values), old(state.valid))
     put = lambda a, x: jax.lax.dynamic_update_index_in_dim(a, x.astype(a.dtype), slot, axis=1)
     state = HybridState(put(state.keys, k_t), put(state.values, v_t), put(state.valid, m_t),
                         state.position + 1, recurrent)
     logits = jnp.einsum("nhd,nwhd->nhw", q_t, state.keys) / math.sqrt(d)
     exact = _exact(logits, state.valid[:, None, :], state.values, "nhw,nwhe->nhe")
-    fq = shared.head_major(feature_fn, q_t[:, None], k_t[:, None])[0]
-    y, scale = shared.read_out(fq, recurrent, with_scale=True)
+    fq = head_major(features, q_t[:, None], k_t[:, None])[0]
+    y, scale = state_lib.read_out(fq, recurrent, with_scale=True)
     num, den = merge(exact, (y[..., 0, :-1], y[..., 0, -1], scale[..., 0]))
     return state, (num, den)
 

@@ -13,8 +13,10 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float
 
-from favor_jax.core import attention, checks, shared
+from favor_jax.core import checks, inputs
+from favor_jax.core import features as features_lib
 from favor_jax.core import kernels as kernels_lib
+from favor_jax.core import state as state_lib
 
 __all__ = ["attention_weights"]
 
@@ -23,8 +25,8 @@ QUERY_BLOCK = 32  # query rows per step of the kernel log-weights ([block, Lk, F
 
 def _kernel_log_weights(fq, fk):
   """log |φ(q_i)ᵀφ(k_j)| and its sign, [N, H, Lq, Lk], exact for any feature sizes (no underflow)."""
-  log_q, mult_q = shared.parts(fq)  # L-major [N, L, H, Fm], [N, L, H, F] (mult may be None)
-  log_k, mult_k = shared.parts(fk)
+  log_q, mult_q = state_lib.parts(fq)  # L-major [N, L, H, Fm], [N, L, H, F] (mult may be None)
+  log_k, mult_k = state_lib.parts(fk)
   head_major = lambda x: None if x is None else jnp.moveaxis(x, 1, 2)  # [N, H, L, F]
   log_q, mult_q, log_k, mult_k = map(head_major, (log_q, mult_q, log_k, mult_k))
 
@@ -85,12 +87,13 @@ def attention_weights(
   if causal or window:
     checks.check_causal_lengths(query, key, "causal attention" if causal else "a window (positions t − j)")
   batch = query.shape[:-3]
-  mask = shared.mask_NL(key_mask, key)
-  q, k = (shared.flatten(x, batch).astype(jnp.float32) for x in (query, key))
-  # The rule of every attention function: non-finite inputs out (masked keys zeroed whatever they hold),
-  # NaN in the rows that depend on one (bad [N, Lq, H]); the weights have no value, so an empty one.
+  mask = inputs.mask_NL(key_mask, key)
+  q, k = (inputs.flatten(x, batch).astype(jnp.float32) for x in (query, key))
+  # The rule of every attention function: non-finite inputs (and, for a kernel, rows beyond its range) out,
+  # masked keys zeroed whatever they hold, NaN in the rows that depend on one (bad [N, Lq, H]); the weights
+  # have no value, so an empty one.
   softmax = isinstance(kernel, str) and kernel == "softmax"
-  q, k, _, bad, _ = shared.split_nonfinite(q, k, jnp.zeros(k.shape[:-1] + (0,), k.dtype), mask, causal=causal,
+  q, k, _, bad, _ = inputs.split_nonfinite(q, k, jnp.zeros(k.shape[:-1] + (0,), k.dtype), mask, causal=causal,
                                            in_range=not softmax)
   lq, lk = q.shape[1], k.shape[1]
   gap = jnp.arange(lq)[:, None] - jnp.arange(lk)[None, :]
@@ -101,25 +104,25 @@ def attention_weights(
       raise ValueError("kernel='softmax' takes no projection and no rho")
     log_w, sign = exact, jnp.ones_like(exact)
   else:
-    feature_fn = attention._feature_fn(kernel, projection, rho, query, key, key_mask, causal, blocked=True,
-                                       query_mask=query_mask)
+    features = features_lib.for_call(kernel, projection, rho, query, key, key_mask, causal, blocked=True,
+                                     query_mask=query_mask)
     log_pairs = getattr(kernels_lib.get_kernel(kernel), "log_pairs", None)  # a closed form, where the sum cancels
     if log_pairs is not None:
       log_w = log_pairs(q, k, projection)
       sign = jnp.ones_like(log_w)
     else:
-      log_w, sign = _kernel_log_weights(*feature_fn(q, k))
+      log_w, sign = _kernel_log_weights(*features.fn(q, k))
     if window:
       near = (jnp.abs(gap) < window) & ((gap >= 0) if causal else True)
       log_w, sign = jnp.where(near, exact, log_w), jnp.where(near, 1.0, sign)
   log_w = jnp.where(allowed, log_w, -jnp.inf)
   if log:
     total = jax.nn.logsumexp(log_w, axis=-1, keepdims=True)
-    out = jnp.where(jnp.isfinite(total), log_w - shared.finite_or_zero(total), -jnp.inf)
+    out = jnp.where(jnp.isfinite(total), log_w - state_lib.finite_or_zero(total), -jnp.inf)
     out = jnp.where(jnp.any(allowed & (sign < 0), axis=-1, keepdims=True), jnp.nan, out)
   else:
     peak = jax.lax.stop_gradient(jnp.max(log_w, axis=-1, keepdims=True))
-    w = sign * jnp.exp(log_w - shared.finite_or_zero(peak))
-    out = shared.divide(w, jnp.sum(w, axis=-1))
-  out = shared.poison(out, jnp.swapaxes(bad, 1, 2))  # rows [N, H, Lq]
+    w = sign * jnp.exp(log_w - state_lib.finite_or_zero(peak))
+    out = state_lib.divide(w, jnp.sum(w, axis=-1))
+  out = inputs.poison(out, jnp.swapaxes(bad, 1, 2))  # rows [N, H, Lq]
   return out.reshape(batch + out.shape[1:])

@@ -1,4 +1,4 @@
-"""Extreme finite inputs: inside every kernel's range (kernels.MAX_SQ_NORM) attention is the float64 formula
+"""Extreme finite inputs: inside every kernel's range (statistics.MAX_SQ_NORM) attention is the float64 formula
 rounded to float32, never a zero row; beyond it a row counts as non-finite (NaN where it is seen), never a
 silent zero and never an error about a ``rho`` the caller did not pass. FAVOR#'s statistic: one outlier
 moves the others by a bounded amount, and ordinary data get the paper's statistic."""
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from favor_jax import core
-from favor_jax.core import kernels
+from favor_jax.core import kernels, statistics
 from tests.core import float64_weights
 
 EPS = float(np.finfo(np.float32).eps)
@@ -52,7 +52,7 @@ def test_beyond_the_range_a_row_is_nan_where_seen_never_a_zero_row(name, causal,
     for scale in (1e19, 1e20):
       args = dict(q=q, k=k)
       args[where[0]] = args[where[0]].at[0, T].multiply(scale)
-      assert not np.all(np.asarray(kernels.in_range(args[where[0]]))), "the row must be beyond the range"
+      assert not np.all(np.asarray(statistics.in_range(args[where[0]]))), "the row must be beyond the range"
       zeroed = dict(args)
       zeroed[where[0]] = zeroed[where[0]].at[0, T].set(0.0)
       rho = _statistic(name, **args)  # leaves the row out, as a NaN row: the same for both calls
@@ -87,7 +87,7 @@ def test_inside_the_range_outputs_and_log_weights_match_float64(name, causal):
     for scale in (1e3, 1e9, 1e17):
       args = dict(q=q, k=k)
       args[where[0]] = args[where[0]].at[0, T].multiply(scale)
-      assert np.all(np.asarray(kernels.in_range(args[where[0]])))
+      assert np.all(np.asarray(statistics.in_range(args[where[0]])))
       rho = _statistic(name, **args)
       msg = f"{name} causal={causal} {where} x{scale:g}"
       want, size = float64_weights.log_weights(name, *(None if x is None else np.asarray(x) for x in (
@@ -165,7 +165,7 @@ def test_one_outlier_moves_saderf_statistic_and_other_rows_by_a_bounded_amount()
   for scale in (1e1, 1e2, 1e4, 1e8):
     moved = q.at[0, 7].multiply(scale)
     x = scaled(moved)
-    cap = kernels.CLIP * np.maximum(np.median(x * x, axis=0), np.median(np.sum(x * x, -1), axis=0)[:, None] / 8)
+    cap = statistics.CLIP * np.maximum(np.median(x * x, axis=0), np.median(np.sum(x * x, -1), axis=0)[:, None] / 8)
     # m_l = (rest + the row's clipped x_l²)/n, before: (rest + x_7l²)/n; log Ψ_l = ¼(log m^y_l − log m_l).
     bound = 0.25 * np.maximum(np.log1p(cap / rest), np.log1p(scaled(q)[7] ** 2 / rest))
     stat = np.asarray(kernels.saderf_statistic(moved, k), np.float64)

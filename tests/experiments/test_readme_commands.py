@@ -1,5 +1,5 @@
-"""Every ``python -m experiments.main`` command of README.md is accepted as written, and each one that writes
-into experiments/results/ would run what the committed results there ran."""
+"""Every ``python -m experiments.main`` command of README.md and the docs pages (docs/*.md) is accepted as
+written, and each one that writes into experiments/results/ would run what the committed results there ran."""
 
 import copy
 import json
@@ -52,10 +52,11 @@ def parse(args):
   return config.value, main.command_line_overrides(values), values["workdir"].value
 
 
-COMMANDS = experiment_commands((ROOT / "README.md").read_text())
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]  # the front page and the guide pages
+COMMANDS = experiment_commands("\n".join(page.read_text() for page in PAGES))
 
 
-def test_readme_has_its_experiment_commands():
+def test_pages_have_their_experiment_commands():
   assert len(COMMANDS) >= 20, COMMANDS  # main job, each study, the estimator runs, clusters, speed tables
 
 
