@@ -144,6 +144,11 @@ def reference(tmp_path_factory):
   return workdir, messages, records, state
 
 
+def test_a_finished_run_leaves_no_lock_file(reference):
+  workdir, _, _, _ = reference
+  assert os.path.isdir(workdir) and not os.path.exists(os.path.join(workdir, ".lock"))
+
+
 def test_progress_says_what_happens_before_the_first_step(reference):
   _, messages, _, _ = reference
   meter = r"\| \d+/6 \[[\d:]+<[\d:]+, +[\d.]+ steps/s\] loss"  # step/total [elapsed<ETA, steps/s]
@@ -162,12 +167,16 @@ def damage(path, how):
   elif how == "zero":
     with open(path, "r+b") as f:
       f.write(bytes(os.path.getsize(path)))
+  elif os.path.isdir(path):
+    shutil.rmtree(path)
   else:
     os.remove(path)
 
 
-# Files whose damage orbax notices (the others in a step are copies it does not read back).
-DAMAGE = [("truncate", "default/d/*"), ("zero", "default/manifest.ocdbt"), ("delete", "default/_METADATA")]
+# Files whose damage orbax notices (the others in a step are copies it does not read back), and the step's
+# item directory (its loss failed every step's restore after it).
+DAMAGE = [("truncate", "default/d/*"), ("zero", "default/manifest.ocdbt"), ("delete", "default/_METADATA"),
+          ("delete", "default")]
 
 
 @pytest.mark.parametrize("how,pattern", DAMAGE)
