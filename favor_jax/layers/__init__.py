@@ -11,13 +11,17 @@
 What a layer keeps for a kernel is read off its ``core.KERNELS`` record: a
 random projection (``favor`` collection, redrawable), a learned ``feature_map``
 (``params``, ``Kernel.learned``) or nothing (``needs_projection=False``).
+
+Inside: ``settings`` (:class:`FavorSettings`, checked once when built), ``projection`` (draws, redraws),
+``statistic`` (FAVOR++'s/FAVOR#'s running statistic), ``inputs`` (Flax's masks and arguments),
+``attend`` (the one call into core), ``adapter`` and ``distillation``.
 """
 
 from favor_jax.layers.adapter import make_attention_fn
 from favor_jax.layers.distillation import distillation_loss
 from favor_jax.layers.projection import draw_projection, redraw_due
 
-# Not in __all__, here for the experiments and the docs: the settings record, the kernel's role, the defaults.
+# Beside __all__: the settings record, what a kernel keeps and the defaults (for the experiments and the docs).
 from favor_jax.layers.settings import DEFAULT_NUM_FEATURES as DEFAULT_NUM_FEATURES
 from favor_jax.layers.settings import DEFAULT_PROJECTION as DEFAULT_PROJECTION
 from favor_jax.layers.settings import PROJECTIONS
