@@ -15,6 +15,7 @@ from experiments.steps import TrainState, metric_sums
 
 
 def make_eval(model, task, mesh: Mesh):
+  """``evaluate(state) -> {eval_loss, eval_accuracy (, eval_bpc)}`` over the task's held-out batches."""
   @jax.jit
   def eval_sums(params, favor, batch):
     return metric_sums(model.apply({"params": params, "favor": favor}, batch.tokens), batch)
@@ -82,6 +83,7 @@ def _tensorboard(logdir):
 
 
 def raise_if_nonfinite(state: TrainState) -> None:
+  """FloatingPointError naming the first step whose loss was not finite, if any."""
   bad = int(state.nonfinite_step)
   if bad >= 0:
     raise FloatingPointError(f"non-finite loss at step {bad}: stopping (lower train.lr, check the inputs, "
