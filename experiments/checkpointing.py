@@ -49,7 +49,8 @@ def open_checkpoints(directory: str, state: TrainState, progress,
     except Exception as e:  # orbax and tensorstore raise many types (JSON, tree structure, data loss, ...)
       damaged.append((step, _reason(e)))
       progress(f"the checkpoint at step {step} cannot be restored, skipping it ({damaged[-1][1]})")
-      checkpoints = manager()  # a failed restore can leave the manager unable to restore any other step
+      checkpoints.close()  # a failed restore can leave the manager unable to restore any other step: a new one
+      checkpoints = manager()
       continue
     if damaged:
       options = ocp.CheckpointManagerOptions(todelete_subdir="damaged")  # moved aside, not deleted
@@ -57,10 +58,12 @@ def open_checkpoints(directory: str, state: TrainState, progress,
       for bad, _ in damaged:
         mover.delete(bad)
         progress(f"moved the damaged checkpoint at step {bad} to {os.path.join(directory, 'damaged')}")
+      mover.close()
       checkpoints.reload()
     progress(f"resumed from the checkpoint at step {int(restored.step)}")
     return checkpoints, restored
   if damaged:
+    checkpoints.close()
     reasons = "; ".join(f"step {s}: {r}" for s, r in damaged)
     raise ValueError(f"no checkpoint in {directory} can be restored into this config's training state "
                      f"({reasons}). If its files are damaged or were written by another config, move or "
