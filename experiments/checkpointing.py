@@ -36,21 +36,18 @@ def open_checkpoints(directory: str, state: TrainState, progress,
   resumed run from checkpointing. If no step restores, nothing is moved and a ValueError names the directory.
   """
   directory = os.path.abspath(directory)
-  manager = lambda: ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(max_to_keep=2))
-  checkpoints = manager()
+  checkpoints = ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(max_to_keep=2))
   damaged, steps = [], sorted(checkpoints.all_steps(), reverse=True)
   if steps:
     check_resume(steps[0])
   for step in steps:
     try:
-      if not os.path.isdir(os.path.join(directory, str(step), ITEM)):
-        raise FileNotFoundError(f"its item directory {ITEM}/ is missing")
+      if not os.path.isdir(os.path.join(directory, str(step), ITEM)):  # orbax's restore of such a step leaves
+        raise FileNotFoundError(f"its item directory {ITEM}/ is missing")  # the manager failing every other one
       restored = checkpoints.restore(step, args=ocp.args.StandardRestore(state))
     except Exception as e:  # orbax and tensorstore raise many types (JSON, tree structure, data loss, ...)
       damaged.append((step, _reason(e)))
       progress(f"the checkpoint at step {step} cannot be restored, skipping it ({damaged[-1][1]})")
-      checkpoints.close()  # a failed restore can leave the manager unable to restore any other step: a new one
-      checkpoints = manager()
       continue
     if damaged:
       options = ocp.CheckpointManagerOptions(todelete_subdir="damaged")  # moved aside, not deleted
@@ -58,12 +55,10 @@ def open_checkpoints(directory: str, state: TrainState, progress,
       for bad, _ in damaged:
         mover.delete(bad)
         progress(f"moved the damaged checkpoint at step {bad} to {os.path.join(directory, 'damaged')}")
-      mover.close()
       checkpoints.reload()
     progress(f"resumed from the checkpoint at step {int(restored.step)}")
     return checkpoints, restored
   if damaged:
-    checkpoints.close()
     reasons = "; ".join(f"step {s}: {r}" for s, r in damaged)
     raise ValueError(f"no checkpoint in {directory} can be restored into this config's training state "
                      f"({reasons}). If its files are damaged or were written by another config, move or "
