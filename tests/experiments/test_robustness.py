@@ -144,11 +144,6 @@ def reference(tmp_path_factory):
   return workdir, messages, records, state
 
 
-def test_a_finished_run_leaves_no_lock_file(reference):
-  workdir, _, _, _ = reference
-  assert os.path.isdir(workdir) and not os.path.exists(os.path.join(workdir, ".lock"))
-
-
 def test_progress_says_what_happens_before_the_first_step(reference):
   _, messages, _, _ = reference
   meter = r"\| \d+/6 \[[\d:]+<[\d:]+, +[\d.]+ steps/s\] loss"  # step/total [elapsed<ETA, steps/s]
@@ -219,6 +214,11 @@ def test_no_intact_checkpoint_stops_naming_the_directory(reference, tmp_path):
   assert sorted(os.listdir(checkpoints)) == ["4", "6"]  # nothing moved or deleted
   with open(os.path.join(workdir, "metrics.jsonl")) as f:
     assert f.read() == metrics
+
+
+def test_a_finished_run_leaves_no_lock_file(reference):
+  workdir, _, _, _ = reference
+  assert os.path.isdir(workdir) and not os.path.exists(os.path.join(workdir, ".lock"))
 
 
 def test_a_stopped_run_writes_no_results_and_a_fresh_start_keeps_no_old_records(reference, tmp_path):
