@@ -15,6 +15,14 @@ from favor_jax.core import kernels, statistics
 from tests.core import float64_weights
 
 EPS = float(np.finfo(np.float32).eps)
+RANGE = 2.0 ** 120  # the documented range, statistics.MAX_SQ_NORM: ‖q‖²/√d up to this
+CLIP = 64.0  # statistics.CLIP, FAVOR#'s winsorising factor
+
+
+def _in_range(z):
+  """Per row, in float64: ‖z·d^{-1/4}‖² ≤ RANGE."""
+  z = np.asarray(z, np.float64)
+  return np.sum(z * z, -1) / np.sqrt(z.shape[-1]) <= RANGE
 NAMES = tuple(sorted(kernels.KERNELS))
 T = 20  # the extreme row
 
@@ -52,7 +60,7 @@ def test_beyond_the_range_a_row_is_nan_where_seen_never_a_zero_row(name, causal,
     for scale in (1e19, 1e20):
       args = dict(q=q, k=k)
       args[where[0]] = args[where[0]].at[0, T].multiply(scale)
-      assert not np.all(np.asarray(statistics.in_range(args[where[0]]))), "the row must be beyond the range"
+      assert not np.all(_in_range(args[where[0]])), "the row must be beyond the range"
       zeroed = dict(args)
       zeroed[where[0]] = zeroed[where[0]].at[0, T].set(0.0)
       rho = _statistic(name, **args)  # leaves the row out, as a NaN row: the same for both calls
@@ -87,7 +95,7 @@ def test_inside_the_range_outputs_and_log_weights_match_float64(name, causal):
     for scale in (1e3, 1e9, 1e17):
       args = dict(q=q, k=k)
       args[where[0]] = args[where[0]].at[0, T].multiply(scale)
-      assert np.all(np.asarray(statistics.in_range(args[where[0]])))
+      assert np.all(_in_range(args[where[0]]))
       rho = _statistic(name, **args)
       msg = f"{name} causal={causal} {where} x{scale:g}"
       want, size = float64_weights.log_weights(name, *(None if x is None else np.asarray(x) for x in (
@@ -165,10 +173,17 @@ def test_one_outlier_moves_saderf_statistic_and_other_rows_by_a_bounded_amount()
   for scale in (1e1, 1e2, 1e4, 1e8):
     moved = q.at[0, 7].multiply(scale)
     x = scaled(moved)
-    cap = statistics.CLIP * np.maximum(np.median(x * x, axis=0), np.median(np.sum(x * x, -1), axis=0)[:, None] / 8)
+    cap = CLIP * np.maximum(np.median(x * x, axis=0), np.median(np.sum(x * x, -1), axis=0)[:, None] / 8)
     # m_l = (rest + the row's clipped x_l²)/n, before: (rest + x_7l²)/n; log Ψ_l = ¼(log m^y_l − log m_l).
     bound = 0.25 * np.maximum(np.log1p(cap / rest), np.log1p(scaled(q)[7] ** 2 / rest))
     stat = np.asarray(kernels.saderf_statistic(moved, k), np.float64)
     assert np.all(np.abs(stat[0, :, :-1] - base_stat[0, :, :-1]) <= bound + 1e-5), scale
     others = np.delete(np.abs(np.asarray(attend(moved)) - base), 7, axis=1)
     assert others.max() < 0.5, (scale, others.max())
+
+
+def test_the_range_and_the_clip_are_the_documented_ones():
+  assert statistics.MAX_SQ_NORM == RANGE and statistics.CLIP == CLIP
+  z = jnp.zeros((1, 3, 1, 4)).at[0, 1, 0, 0].set(1.05e18 * 4 ** 0.25).at[0, 2, 0, 0].set(1.2e18 * 4 ** 0.25)
+  np.testing.assert_array_equal(np.asarray(statistics.in_range(z))[0, :, 0], [True, True, False])
+  np.testing.assert_array_equal(_in_range(z)[0, :, 0], [True, True, False])
