@@ -1,5 +1,4 @@
 import json
-import os
 import pathlib
 import subprocess
 import sys
@@ -43,20 +42,6 @@ def test_a_misspelled_field_ends_the_command_with_a_suggestion_not_a_traceback(f
   assert (f"a --config.FIELD names no field of the config: '{wrong}' Did you mean \"{right}\" instead of "
           f"\"{wrong}\"? (given: --config.{flag}=5)") in out.stderr
   assert not (tmp_path / "out").exists()
-
-
-def test_notebook_executes(tmp_path, monkeypatch):
-  nbformat = pytest.importorskip("nbformat")
-  nbclient = pytest.importorskip("nbclient")
-  nb = nbformat.read(ROOT / "notebooks" / "approximation.ipynb", as_version=4)
-  monkeypatch.setenv("FAVOR_NOTEBOOK_QUICK", "1")  # the kernel process inherits the environment
-  env_path = os.environ.get("PYTHONPATH", "")
-  monkeypatch.setenv("PYTHONPATH", f"{ROOT}:{env_path}" if env_path else str(ROOT))
-  nbclient.NotebookClient(nb, timeout=600, kernel_name="python3",
-                          resources={"metadata": {"path": str(ROOT)}}).execute()
-  code = [c for c in nb.cells if c.cell_type == "code"]
-  outputs = "".join(o.get("text", "") for c in code for o in c.get("outputs", []))
-  assert "FAVOR+ here" in outputs
 
 
 def test_speed_quick_run_records_every_method(tmp_path):
