@@ -1,6 +1,7 @@
 """Runs README.md's quick start as a reader would: the first ```python block under "## Quick start", written
 to a fresh temporary directory and run there by this interpreter in isolated mode (-I: neither PYTHONPATH nor
-the current directory on sys.path), so only the installed package can be imported.
+the current directory on sys.path), so only the installed package can be imported; it checks that favor_jax
+does not come from the repository that holds README.md.
 
     python .ci/quickstart.py [README.md]
 """
@@ -25,11 +26,12 @@ def quick_start(text: str) -> str:
 
 def main(readme: str = "README.md") -> None:
   code = quick_start(pathlib.Path(readme).read_text())
+  repository = pathlib.Path(readme).resolve().parent
   with tempfile.TemporaryDirectory() as tmp:
     script = pathlib.Path(tmp) / "quick_start.py"
     check = ("import favor_jax, pathlib, sys\n"
-             f"assert not pathlib.Path(favor_jax.__file__).is_relative_to({str(pathlib.Path.cwd())!r}), "
-             "favor_jax.__file__\n"
+             f"assert not pathlib.Path(favor_jax.__file__).resolve().is_relative_to({str(repository)!r}), "
+             "f'favor_jax imported from the repository ({favor_jax.__file__}), not the installed wheel'\n"
              "print('favor_jax', favor_jax.__version__, 'from', pathlib.Path(favor_jax.__file__).parent)\n")
     script.write_text(check + code)
     print(f"running README.md's quick start ({len(code.splitlines())} lines) in {tmp}", flush=True)

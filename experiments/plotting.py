@@ -73,9 +73,9 @@ def ticks_enclose(ax, values, axis: str = "y") -> None:
   if lo == hi:
     lo, hi = lo - 0.5 * abs(lo or 1), hi + 0.5 * abs(hi or 1)
   ticks = ticker.MaxNLocator(nbins=6).tick_values(lo, hi)
-  bottom = max((t for t in ticks if t <= lo), default=lo)
-  top = min((t for t in ticks if t >= hi), default=hi)
-  getattr(ax, f"set_{axis}lim")(bottom, top)
+  step = ticks[1] - ticks[0]
+  getattr(ax, f"set_{axis}lim")(math.floor(lo / step + 1e-9) * step, math.ceil(hi / step - 1e-9) * step)
+  getattr(ax, f"{axis}axis").set_major_locator(ticker.MultipleLocator(step))
 
 
 def short_number(n: int) -> str:

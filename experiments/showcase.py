@@ -155,7 +155,7 @@ def plot(records, config, workdir) -> list[str]:
     ax.plot([e["step"] for e in evals], [e[metric] for e in evals], label=r["name"], **style[r["name"]])
     ends += [e[metric] for e in evals]
   plotting.ticks_enclose(ax, ends)
-  ax.set(xlabel="step", ylabel=f"held-out {'bits/char' if metric == 'eval_bpc' else metric}", title="quality")
+  ax.set(xlabel="step", ylabel=f"held-out {'bits/char' if metric == 'eval_bpc' else metric}", title="quality (lower is better)")
   ax.grid(alpha=0.3)
   if config.long.length:
     names = [r["name"] for r in records]
@@ -163,7 +163,7 @@ def plot(records, config, workdir) -> list[str]:
                                     (axes[0, 2], "long_bytes", 2.0**-30, "memory of the train step (GiB)")):
       values = [r[field] * scale for r in records]
       bars = ax.bar(range(len(records)), values, color=[style[n]["color"] for n in names])
-      ax.bar_label(bars, labels=[f"{v:.2f}" for v in values], fontsize=8)
+      ax.bar_label(bars, labels=[f"{v:.3g}" for v in values], fontsize=8)
       ax.set_xticks(range(len(records)), [""] * len(records))
       ax.set(ylabel=label, title=f"one train step at L={config.long.length}")
       ax.margins(y=0.15)
