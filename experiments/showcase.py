@@ -155,7 +155,9 @@ def plot(records, config, workdir) -> list[str]:
     ax.plot([e["step"] for e in evals], [e[metric] for e in evals], label=r["name"], **style[r["name"]])
     ends += [e[metric] for e in evals]
   plotting.ticks_enclose(ax, ends)
-  ax.set(xlabel="step", ylabel=f"held-out {'bits/char' if metric == 'eval_bpc' else metric}", title="quality (lower is better)")
+  better = "lower" if metric != "eval_accuracy" else "higher"
+  ax.set(xlabel="step", ylabel=f"held-out {'bits/char' if metric == 'eval_bpc' else metric}",
+         title=f"quality ({better} is better)")
   ax.grid(alpha=0.3)
   if config.long.length:
     names = [r["name"] for r in records]
