@@ -98,10 +98,9 @@ def finding(records) -> str:
   unit = "bits/char" if metric == "eval_bpc" else metric.replace("_", " ")
   ratio = best[metric] / base[metric]
   verdict = ("matches softmax's quality" if abs(ratio - 1) <= 0.005 else
-             f"comes within {ratio:.3f}× of softmax's quality" if ratio > 1 else
-             f"beats softmax's quality ({ratio:.3f}×)")
+             "comes close to softmax's quality" if ratio > 1 else "beats softmax's quality")
   sentence = (f"After {best['steps']} steps, {sweep.setting(best)} {verdict} ({best[metric]:.3f} against "
-              f"{base[metric]:.3f} {unit})")
+              f"{base[metric]:.3f} {unit}, {ratio:.3f}×)")
   if "long_step_s" in best:
     speed = base["long_step_s"] / best["long_step_s"]
     memory = base["long_bytes"] / best["long_bytes"]
