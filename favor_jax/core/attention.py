@@ -57,10 +57,10 @@ def softmax_attention(
     num = jnp.einsum("nhqk,nkhd->nqhd", weights, v.astype(f32))
     return state_lib.divide(num, jnp.moveaxis(jnp.sum(weights, axis=-1), -2, -1))
 
-  return inputs.envelope(exact, query, key, value, key_mask, causal=causal)
+  return inputs.envelope(exact, query, key, value, key_mask, causal=causal, in_range=False)
 
 
-def _linear(features, query, key, value, key_mask, causal, causal_method, chunk_size):
+def _linear(features, query, key, value, key_mask, causal, causal_method, chunk_size, in_range=True):
   """Normalised linear attention by ``features`` in the input envelope: the bidirectional pass, or the causal
   one ``causal_method`` chooses (arguments checked by the caller)."""
   def algorithm(q, k, v, mask):
@@ -69,7 +69,7 @@ def _linear(features, query, key, value, key_mask, causal, causal_method, chunk_
       return bidirectional_lib.bidirectional(features, q, k, v, mask, divide=True)
     return causal_lib.attend(features, q, k, v, mask, causal_method=causal_method, chunk_size=chunk_size)
 
-  return inputs.envelope(algorithm, query, key, value, key_mask, causal=causal)
+  return inputs.envelope(algorithm, query, key, value, key_mask, causal=causal, in_range=in_range)
 
 
 def linear_attention(
@@ -93,7 +93,7 @@ def linear_attention(
   checks.check_causal_method(causal_method, causal_lib.CAUSAL_METHODS, causal)
   chunk_size = checks.check_chunk_size(chunk_size)
   return _linear(features_lib.as_given(), query_features, key_features, value, key_mask, causal, causal_method,
-                 chunk_size)
+                 chunk_size, in_range=False)
 
 
 def favor_attention(

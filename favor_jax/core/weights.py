@@ -15,6 +15,7 @@ from jaxtyping import Array, Bool, Float
 
 from favor_jax.core import checks, inputs
 from favor_jax.core import features as features_lib
+from favor_jax.core import kernels as kernels_lib
 from favor_jax.core import state as state_lib
 
 __all__ = ["attention_weights"]
@@ -88,19 +89,29 @@ def attention_weights(
   batch = query.shape[:-3]
   mask = inputs.mask_NL(key_mask, key)
   q, k = (inputs.flatten(x, batch).astype(jnp.float32) for x in (query, key))
-  k = jnp.where(mask[:, :, None, None], k, 0.0)  # masked keys are ignored whatever they hold (NaN included)
+  # The rule of every attention function: non-finite inputs (and, for a kernel, rows beyond its range) out,
+  # masked keys zeroed whatever they hold, NaN in the rows that depend on one (bad [N, Lq, H]); the weights
+  # have no value, so an empty one.
+  softmax = isinstance(kernel, str) and kernel == "softmax"
+  q, k, _, bad, _ = inputs.split_nonfinite(q, k, jnp.zeros(k.shape[:-1] + (0,), k.dtype), mask, causal=causal,
+                                           in_range=not softmax)
   lq, lk = q.shape[1], k.shape[1]
   gap = jnp.arange(lq)[:, None] - jnp.arange(lk)[None, :]
   allowed = mask[:, None, None, :] & ((gap >= 0) if causal else True)  # [N, 1, Lq, Lk]
   exact = jnp.einsum("nqhd,nkhd->nhqk", q, k) / math.sqrt(query.shape[-1])
-  if isinstance(kernel, str) and kernel == "softmax":
+  if softmax:
     if rho is not None or projection is not None:
       raise ValueError("kernel='softmax' takes no projection and no rho")
     log_w, sign = exact, jnp.ones_like(exact)
   else:
     features = features_lib.for_call(kernel, projection, rho, query, key, key_mask, causal, blocked=True,
                                      query_mask=query_mask)
-    log_w, sign = _kernel_log_weights(*features.fn(q, k))
+    log_pairs = getattr(kernels_lib.get_kernel(kernel), "log_pairs", None)  # a closed form, where the sum cancels
+    if log_pairs is not None:
+      log_w = log_pairs(q, k, projection)
+      sign = jnp.ones_like(log_w)
+    else:
+      log_w, sign = _kernel_log_weights(*features.fn(q, k))
     if window:
       near = (jnp.abs(gap) < window) & ((gap >= 0) if causal else True)
       log_w, sign = jnp.where(near, exact, log_w), jnp.where(near, 1.0, sign)
@@ -109,8 +120,9 @@ def attention_weights(
     total = jax.nn.logsumexp(log_w, axis=-1, keepdims=True)
     out = jnp.where(jnp.isfinite(total), log_w - state_lib.finite_or_zero(total), -jnp.inf)
     out = jnp.where(jnp.any(allowed & (sign < 0), axis=-1, keepdims=True), jnp.nan, out)
-    return out.reshape(batch + out.shape[1:])
-  peak = jax.lax.stop_gradient(jnp.max(log_w, axis=-1, keepdims=True))
-  w = sign * jnp.exp(log_w - state_lib.finite_or_zero(peak))
-  out = state_lib.divide(w, jnp.sum(w, axis=-1))
+  else:
+    peak = jax.lax.stop_gradient(jnp.max(log_w, axis=-1, keepdims=True))
+    w = sign * jnp.exp(log_w - state_lib.finite_or_zero(peak))
+    out = state_lib.divide(w, jnp.sum(w, axis=-1))
+  out = inputs.poison(out, jnp.swapaxes(bad, 1, 2))  # rows [N, H, Lq]
   return out.reshape(batch + out.shape[1:])

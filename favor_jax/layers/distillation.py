@@ -27,7 +27,12 @@ def distillation_loss(
       A = core.attention_weights(query, key, feature_map, kernel=kernel),
 
   over the rows that see at least one key and whose query is not padding (``query_mask`` False: left out of
-  the mean and of a data-dependent kernel's statistic, whatever it holds). ``query`` and ``key`` (a trained
+  the mean and of a data-dependent kernel's statistic, whatever it holds). Both sides are taken in log
+  domain (softmax's too), so a teacher weight below float32's range still counts: where the student gives
+  a key weight exactly 0 and the teacher does not, the loss is +inf, as in float64. Non-finite inputs follow
+  the rule of every attention function: a non-finite query, or an unmasked non-finite key a row may see,
+  makes that row's cross-entropy NaN, and so the loss (its gradient then NaN too); a padded query or a
+  masked key is absent whatever it holds. ``query`` and ``key`` (a trained
   softmax layer's, on real inputs: NNX ``layer.query(x)``, ``layer.key(x)``;
   Linen ``apply(..., capture_intermediates=True)``) are held fixed: only
   ``feature_map`` gets a gradient, so ``jax.grad`` with respect to it drives a
@@ -48,13 +53,16 @@ def distillation_loss(
   query, key = jax.lax.stop_gradient(query), jax.lax.stop_gradient(key)
   if query_mask is not None:  # a padded query's values (NaN included) reach neither the loss nor its gradient
     query = jnp.where(query_mask[..., None, None], query, jnp.zeros((), query.dtype))
-  target = jax.lax.stop_gradient(
-      core.attention_weights(query, key, kernel="softmax", causal=causal, key_mask=key_mask))
+  log_target = jax.lax.stop_gradient(
+      core.attention_weights(query, key, kernel="softmax", causal=causal, key_mask=key_mask, log=True))
   log_weights = core.attention_weights(query, key, feature_map, kernel=kernel, causal=causal, key_mask=key_mask,
                                        rho=rho, query_mask=query_mask, log=True)
-  seen = target > 0
-  cross = -jnp.sum(jnp.where(seen, target * jnp.where(seen, log_weights, 0.0), 0.0), axis=-1)
-  rows = jnp.any(seen, axis=-1)  # [..., H, L]
+  rows = jnp.any(~jnp.isneginf(log_target), axis=-1)  # [..., H, L]: sees a key (a NaN row included: NaN loss)
   if query_mask is not None:
     rows = rows & jnp.expand_dims(query_mask, -2)
+  seen = rows[..., None] & ~jnp.isneginf(log_target)  # the keys a row weighs (NaN ones too)
+  # t·log A, with t = e^{log t} > 0 and log A = −inf (a key the student drops) giving −inf, not 0·(−inf).
+  dropped = seen & jnp.isneginf(log_weights) & ~jnp.isnan(log_target)
+  terms = jnp.exp(jnp.where(seen, log_target, 0.0)) * jnp.where(seen & ~dropped, log_weights, 0.0)
+  cross = -jnp.sum(jnp.where(dropped, -jnp.inf, jnp.where(seen, terms, 0.0)), axis=-1)
   return jnp.sum(jnp.where(rows, cross, 0.0)) / jnp.maximum(jnp.sum(rows), 1)
