@@ -23,18 +23,7 @@ __all__ = [
 ]
 
 
-
-def _version() -> str:
-  """The installed distribution's version; from a checkout that is not installed (``PYTHONPATH``), the one in
-  its pyproject.toml; "0+unknown" if neither is there."""
-  try:
-    return _metadata.version("favor_jax")
-  except _metadata.PackageNotFoundError:
-    import pathlib
-    import re
-    pyproject = pathlib.Path(__file__).resolve().parent.parent / "pyproject.toml"
-    found = re.search(r'^version = "([^"]+)"', pyproject.read_text(), re.M) if pyproject.is_file() else None
-    return found.group(1) if found else "0+unknown"
-
-
-__version__ = _version()
+try:
+  __version__ = _metadata.version("favor_jax")  # the installed distribution's version
+except _metadata.PackageNotFoundError:  # a checkout used without installing it (PYTHONPATH)
+  __version__ = "0+unknown"
