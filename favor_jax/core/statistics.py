@@ -1,4 +1,4 @@
-"""The statistics of the data-dependent kernels (FAVOR++, FAVOR#): their formulas and their checks.
+"""Statistics of the data-dependent kernels (FAVOR++, FAVOR#): their formulas and their checks.
 
 A data-dependent kernel's features depend on a statistic of the queries and keys
 (:class:`~favor_jax.core.kernels.Kernel` ``statistic``/``compute_statistic``): FAVOR++'s ρ
@@ -75,11 +75,32 @@ def _key_weights(y_LHD, key_mask):
 def oprf_rho(query: Float[Array, "... Lq H D"], key: Float[Array, "... Lk H D"],
              key_mask: Bool[Array, "... Lk"] | None = None,
              query_mask: Bool[Array, "... Lq"] | None = None) -> Float[Array, "... H"]:
-  """FAVOR++ statistic ρ = mean_{i,j} ‖xᵢ + yⱼ‖² / d, per batch element and head.
+  """Computes FAVOR++'s statistic ρ = mean_{i,j} ‖xᵢ + yⱼ‖² / d, per batch element and head.
 
-  x = q·d^{-1/4}, y = k·d^{-1/4}; masked keys, masked queries (``query_mask``:
-  padding) and non-finite rows are left out. The mean over all pairs is
-  ‖x‖²‾ + ‖y‖²‾ + 2·x̄ᵀȳ, so it costs O(L·d).
+  x = q·d^{-1/4}, y = k·d^{-1/4}. The mean over all pairs is
+  ‖x‖²‾ + ‖y‖²‾ + 2·x̄ᵀȳ, so it costs O(L·d). Masked keys, masked queries and
+  non-finite rows are left out (a NaN query row does not reach the others'
+  statistic; a non-finite unmasked key makes it NaN).
+
+  Args:
+    query: queries, shape [..., Lq, H, D].
+    key: keys, shape [..., Lk, H, D].
+    key_mask: optional bool [..., Lk] (broadcastable); False leaves a key out.
+    query_mask: optional bool [..., Lq] (broadcastable); False leaves a query
+      out (padding).
+
+  Returns:
+    ρ ≥ 0, float32, shape [..., H].
+
+  Raises:
+    ValueError: if query and key disagree in batch dims, heads or head dim, or
+      a mask does not broadcast to its length.
+    TypeError: if an input is not a floating array or a mask is not bool (as
+      the shared input checks raise).
+
+  References:
+    Likhosherstov et al. 2022, "Chefs' Random Tables: Non-Trigonometric Random
+    Features" (NeurIPS).
   """
   x, count_H, y, w_L = _statistic_inputs(query, key, key_mask, query_mask)
   x_sq = jnp.sum(jnp.sum(x * x, -1) / count_H[..., None, :], axis=-2)  # [..., H]; divided first: no overflow
@@ -123,7 +144,18 @@ def _winsorised(x_LHD, row_mask):
 
 
 def broadcast_rho(rho, query) -> Float[Array, "... H"]:
-  """ρ as float32 broadcast to query's [..., H] (batch dims and heads), or a clear error."""
+  """Broadcasts a ρ to query's batch dims and heads.
+
+  Args:
+    rho: FAVOR++'s statistic, any shape broadcastable to [..., H].
+    query: queries, shape [..., L, H, D] (only its shape is read).
+
+  Returns:
+    ρ as float32, shape [..., H].
+
+  Raises:
+    ValueError: if ``rho`` does not broadcast to [..., H].
+  """
   batch_heads = query.shape[:-3] + query.shape[-2:-1]
   rho = jnp.asarray(rho, jnp.float32)
   try:
@@ -133,7 +165,22 @@ def broadcast_rho(rho, query) -> Float[Array, "... H"]:
 
 
 def check_rho(rho, query) -> Float[Array, "... H"]:
-  """ρ broadcast to [..., H]; a concrete ρ must be finite and ≥ 0 (it is a mean of ‖x + y‖²/d)."""
+  """Checks a ρ and broadcasts it to [..., H], as :func:`broadcast_rho` does.
+
+  A concrete ρ must be finite and ≥ 0 (it is a mean of ‖x + y‖²/d); a traced one
+  is not checked here (the kernel turns an invalid traced ρ into NaN outputs).
+
+  Args:
+    rho: FAVOR++'s statistic, broadcastable to [..., H].
+    query: queries, shape [..., L, H, D] (only its shape is read).
+
+  Returns:
+    ρ as float32, shape [..., H].
+
+  Raises:
+    ValueError: if a concrete ``rho`` has a non-finite or negative value, or
+      does not broadcast to [..., H].
+  """
   if not isinstance(rho, jax.core.Tracer):
     values = np.asarray(rho, np.float32)
     bad = ~(np.isfinite(values) & (values >= 0))
@@ -146,7 +193,7 @@ def check_rho(rho, query) -> Float[Array, "... H"]:
 def saderf_statistic(query: Float[Array, "... Lq H D"], key: Float[Array, "... Lk H D"],
                      key_mask: Bool[Array, "... Lk"] | None = None,
                      query_mask: Bool[Array, "... Lq"] | None = None) -> Float[Array, "... H D+1"]:
-  """FAVOR#'s statistic per batch element and head: [log Ψ₁, …, log Ψ_D, ρ], O(L·d).
+  """Computes FAVOR#'s statistic [log Ψ₁, …, log Ψ_D, ρ] per batch element and head, in O(L·d).
 
   Ψ = diag(Ψ_l) minimises the mean over all (query, key) pairs of ‖Ψx + Ψ⁻¹y‖²
   = Σ_l (Ψ_l² m_l^x + Ψ_l⁻² m_l^y) + 2·x̄ᵀȳ, with m^x = mean_i x_i², m^y = mean_j y_j²
@@ -162,6 +209,27 @@ def saderf_statistic(query: Float[Array, "... Lq H D"], key: Float[Array, "... L
   sum of x_l² over the other rows). Data with no value beyond the cap (Gaussian rows: |x_l| > 5.4σ,
   probability 7e-8) get the paper's statistic unchanged; any Ψ > 0 and A < 1/8 keep the estimator
   unbiased, so the clip changes its variance only.
+
+  Args:
+    query: queries, shape [..., Lq, H, D].
+    key: keys, shape [..., Lk, H, D].
+    key_mask: optional bool [..., Lk] (broadcastable); False leaves a key out.
+    query_mask: optional bool [..., Lq] (broadcastable); False leaves a query
+      out (padding).
+
+  Returns:
+    float32 [..., H, D+1]: log Ψ in the first D entries, ρ ≥ 0 in the last. Pass
+    it as ``rho=`` with ``kernel="saderf"``.
+
+  Raises:
+    ValueError: if query and key disagree in batch dims, heads or head dim, or
+      a mask does not broadcast to its length.
+    TypeError: if an input is not a floating array or a mask is not bool (as
+      the shared input checks raise).
+
+  References:
+    Likhosherstov et al. 2023, "Dense-Exponential Random Features: Sharp
+    Positive Estimators of the Gaussian Kernel" (NeurIPS; FAVOR#).
   """
   x, count_H, y, w_L = _statistic_inputs(query, key, key_mask, query_mask, clip=True)
   mx, x_bar = (jnp.sum(z / count_H[..., None, :, None], axis=-3) for z in (x * x, x))  # [..., H, D]

@@ -61,21 +61,36 @@ def attention_weights(
     query_mask: Bool[Array, "... Lq"] | None = None,
     log: bool = False,
 ) -> Float[Array, "... H Lq Lk"]:
-  """The normalised weights A [..., H, Lq, Lk] with out = A v, as the attention functions compute them.
+  """Computes the normalised weights A [..., H, Lq, Lk] with out = A v, as the attention functions do.
 
-  ``kernel="softmax"``: softmax(q kᵀ/√d) (:func:`softmax_attention`). Otherwise
-  the weights φ(q_i)ᵀφ(k_j) / Σ_j φ(q_i)ᵀφ(k_j) of a feature map (a name from
-  ``KERNELS`` or a callable, as in :func:`favor_attention`); with ``window > 0``
-  the keys within the window get the exact exp(q·k/√d) instead
-  (:func:`hybrid_attention`). Rows sum to 1 over the keys they may see (j ≤ t if
-  ``causal``, unmasked); a row that sees none is 0. Computed in log domain, so
-  a weight is as exact as float32 holds it however far apart its row's terms
-  are (one below float32's range is 0; ``log=True`` keeps its log).
-  ``rho`` and ``query_mask`` (the queries a data-dependent kernel's statistic
-  averages over) are as in :func:`favor_attention`. ``log=True``: log A, normalised
-  in log domain, so a weight below float32's range keeps its log (−inf where A
-  is 0); for weights that are never negative (a kernel whose record says
-  ``positive_weights``; a row with a negative weight is NaN).
+  ``kernel="softmax"``: softmax(q kᵀ/√d) (:func:`softmax_attention`). Otherwise the weights
+  φ(q_i)ᵀφ(k_j) / Σ_j φ(q_i)ᵀφ(k_j) of a feature map (as in :func:`favor_attention`); with ``window > 0``
+  the keys within the window get the exact exp(q·k/√d) instead (:func:`hybrid_attention`). Rows sum to 1
+  over the keys they may see (j ≤ t if ``causal``, unmasked); a row that sees none is 0. Computed in log
+  domain, so a weight is as exact as float32 holds it however far apart its row's terms are (one below
+  float32's range is 0; ``log=True`` keeps its log). Quadratic in L: for analysis, not a forward pass.
+
+  Args:
+    query: queries, shape [..., Lq, H, D].
+    key: keys, shape [..., Lk, H, D].
+    projection: ω, [M, D] or [H, M, D]; None for ``"softmax"`` or a kernel that takes none.
+    kernel: ``"softmax"``, a name in ``KERNELS``, a :class:`~favor_jax.core.kernels.Kernel`, or a callable.
+    causal: whether query t sees only keys j ≤ t (needs Lq = Lk).
+    key_mask: optional bool [..., Lk]; False leaves a key out (weight 0, whatever it holds).
+    window: W ≥ 0, the exact window of :func:`hybrid_attention` (0: none; needs Lq = Lk).
+    rho: a data-dependent kernel's statistic, as in :func:`favor_attention`.
+    query_mask: optional bool [..., Lq], the queries a data-dependent kernel's statistic averages over.
+    log: return log A, normalised in log domain (−inf where A is 0), for weights that are never negative
+      (a kernel whose record says ``positive_weights``; a row with a negative weight is NaN).
+
+  Returns:
+    A (or log A), float32, shape [..., H, Lq, Lk].
+
+  Raises:
+    TypeError: if ``causal`` or ``log`` is not a bool, an input is not a floating array or a mask not bool.
+    ValueError: if shapes disagree, a length is 0, ``causal`` or ``window`` with Lq ≠ Lk, ``window`` is not
+      an int ≥ 0, ``kernel="softmax"`` gets a projection or ``rho``, or as :func:`favor_attention` raises
+      for the kernel and ``rho``.
   """
   checks.check_bool("causal", causal)
   checks.check_bool("log", log)

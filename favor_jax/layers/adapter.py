@@ -22,23 +22,37 @@ def make_attention_fn(
     window: int = 0,
     causal_method: str = "auto",
 ) -> Callable[..., Array]:
-  """An ``attention_fn`` computing :func:`favor_attention` with a fixed ``projection``.
+  """Makes an ``attention_fn`` computing :func:`~favor_jax.core.favor_attention` with a fixed projection.
 
   Pass it to ``flax.linen.MultiHeadDotProductAttention(attention_fn=...)`` or
-  ``flax.nnx.MultiHeadAttention(attention_fn=...)``. ``projection``: [M, D]
-  shared by the heads, [H, M, D] one per head, or None for a kernel that uses
-  none (``taylor``, ``elu_plus_one``). ``window`` > 0: exact softmax for keys
-  within ``window`` positions and the kernel's estimate for the rest
-  (:func:`core.hybrid_attention`). ``causal_method``: as in
-  :func:`core.favor_attention` ("auto": fused Pallas kernels on a GPU where
-  they apply). Key-padding masks are
-  honoured (no query padding is known here: a data-dependent kernel's statistic
-  averages over every query, padded ones included; the layers leave them out);
-  ``causal=True`` here or ``is_causal=True`` from NNX gives causal
-  attention (Flax's own decode cache passes one query against the cached keys
-  under a causal mask: decode through it with ``causal=False`` and no window);
-  full masks, ``bias``, attention dropout, ``sow_weights`` and
-  unknown keywords with a non-default value raise instead of being ignored.
+  ``flax.nnx.MultiHeadAttention(attention_fn=...)``. Key-padding masks are honoured (no query padding is
+  known here: a data-dependent kernel's statistic averages over every query, padded ones included; the
+  layers leave them out). Flax's own decode cache passes one query against the cached keys under a causal
+  mask: decode through it with ``causal=False`` and no window.
+
+  Args:
+    projection: ω, [M, D] shared by the heads, [H, M, D] one per head, or None for a kernel that uses none
+      (``taylor``, ``elu_plus_one``).
+    kernel: a name in ``core.KERNELS`` or a kernel, as in :func:`~favor_jax.core.favor_attention`.
+    causal: causal attention at every call (NNX's ``is_causal=True`` also asks for it at a call).
+    rho: a data-dependent kernel's statistic, as in :func:`~favor_jax.core.favor_attention`.
+    chunk_size: C, the chunk length of the causal pass.
+    window: W ≥ 0; > 0: exact softmax for keys within W positions and the kernel's estimate for the rest
+      (:func:`~favor_jax.core.hybrid_attention`).
+    causal_method: as in :func:`~favor_jax.core.favor_attention` (``"auto"``: fused Pallas kernels on a GPU
+      where they apply).
+
+  Returns:
+    ``attention_fn(query, key, value, bias=None, mask=None, ...)`` with Flax's signature: query
+    [..., Lq, H, D], key [..., Lk, H, D], value [..., Lk, H, Dv] to the output [..., Lq, H, Dv] (in ``dtype``
+    when given).
+
+  Raises:
+    ValueError: here, if a setting is invalid (as ``FavorSettings.build`` checks: kernel, ``chunk_size``,
+      ``window``, ``causal_method``); at a call, for a ``bias``, ``sow_weights`` (``module``), custom
+      weight einsums, attention dropout, an unknown keyword with a non-default value, a full mask it cannot
+      read as key padding, or causal/window attention with Lq ≠ Lk.
+    TypeError: here or at a call, for a non-bool ``causal`` or ``is_causal``.
   """
   # Checked here, once, not at each call; NNX may still ask for causal attention at the call (is_causal).
   settings = FavorSettings.build(kernel=kernel, causal=causal, chunk_size=chunk_size, window=window,

@@ -20,28 +20,47 @@ def distillation_loss(
     query_mask: Bool[Array, "... L"] | None = None,
     rho: Float[Array, "... H"] | Float[Array, "... H D+1"] | None = None,
 ) -> Float[Array, ""]:
-  """Hedgehog's distillation loss (Zhang et al. 2024): the cross-entropy of each row of the kernel's
-  attention weights against softmax's,
+  """Computes Hedgehog's distillation loss: the cross-entropy of the kernel's attention weights against softmax's.
 
-      −mean over rows (batch, head, query) of Σ_j softmax_ij · log A_ij,
-      A = core.attention_weights(query, key, feature_map, kernel=kernel),
+  .. code-block:: text
 
-  over the rows that see at least one key and whose query is not padding (``query_mask`` False: left out of
-  the mean and of a data-dependent kernel's statistic, whatever it holds). Both sides are taken in log
-  domain (softmax's too), so a teacher weight below float32's range still counts: where the student gives
-  a key weight exactly 0 and the teacher does not, the loss is +inf, as in float64. Non-finite inputs follow
-  the rule of every attention function: a non-finite query, or an unmasked non-finite key a row may see,
-  makes that row's cross-entropy NaN, and so the loss (its gradient then NaN too); a padded query or a
-  masked key is absent whatever it holds. ``query`` and ``key`` (a trained
-  softmax layer's, on real inputs: NNX ``layer.query(x)``, ``layer.key(x)``;
-  Linen ``apply(..., capture_intermediates=True)``) are held fixed: only
-  ``feature_map`` gets a gradient, so ``jax.grad`` with respect to it drives a
-  plain optax loop; the fitted map is then the hedgehog layer's ``feature_map``
-  parameter. The loss minus softmax's entropy is the mean KL divergence, ≥ 0,
-  0 when the weights match. log A is taken in log domain (a weight below float32's
-  range keeps its log), so the kernel's weights must be positive: kernels whose
-  weights can be 0 or negative (``relu``, ``trigonometric``) are refused. ``rho``: a
-  data-dependent kernel's statistic, as in :func:`core.attention_weights`.
+     loss = −mean over rows (batch, head, query) of Σ_j softmax_ij · log A_ij,
+     A = core.attention_weights(query, key, feature_map, kernel=kernel)
+
+  over the rows that see at least one key and whose query is not padding. ``query`` and ``key`` (a trained
+  softmax layer's, on real inputs: NNX ``layer.query(x)``, ``layer.key(x)``; Linen
+  ``apply(..., capture_intermediates=True)``) are held fixed: only ``feature_map`` gets a gradient, so
+  ``jax.grad`` with respect to it drives a plain optax loop; the fitted map is then the hedgehog layer's
+  ``feature_map`` parameter. The loss minus softmax's entropy is the mean KL divergence, ≥ 0, 0 when the
+  weights match. log A is taken in log domain (a weight below float32's range keeps its log).
+  Both sides are taken in log domain (softmax's too), so a teacher weight below float32's range still
+  counts: where the student gives a key weight exactly 0 and the teacher does not, the loss is +inf, as in
+  float64. Non-finite inputs follow the rule of every attention function: a non-finite query, or an unmasked
+  non-finite key a row may see, makes that row's cross-entropy NaN, and so the loss (its gradient then NaN
+  too); a padded query or a masked key is absent whatever it holds.
+
+  Args:
+    query: queries, shape [..., L, H, D] (held fixed).
+    key: keys, shape [..., L, H, D] (held fixed).
+    feature_map: the map being fitted, [M, D] or [H, M, D] (a hedgehog layer's ``feature_map``).
+    kernel: a name in ``core.KERNELS`` or a kernel whose weights are positive (not ``"softmax"``).
+    causal: whether query t sees only keys j ≤ t.
+    key_mask: optional bool [..., L]; False leaves a key out.
+    query_mask: optional bool [..., L]; False leaves a query (padding) out of the mean and of a
+      data-dependent kernel's statistic, whatever it holds.
+    rho: a data-dependent kernel's statistic, as in :func:`~favor_jax.core.attention_weights`.
+
+  Returns:
+    The loss, a float32 scalar.
+
+  Raises:
+    ValueError: if ``kernel`` is ``"softmax"``, unknown, or a record whose weights can be 0 or negative
+      (``relu``, ``trigonometric``), or as :func:`~favor_jax.core.attention_weights` raises.
+    TypeError: if ``query_mask`` is not bool, or as :func:`~favor_jax.core.attention_weights` raises.
+
+  References:
+    Zhang et al. 2024, "The Hedgehog & the Porcupine: Expressive Linear Attentions with Softmax Mimicry"
+    (ICLR).
   """
   if kernel == "softmax":
     raise ValueError("kernel must be a feature map to fit to softmax, got 'softmax'")
