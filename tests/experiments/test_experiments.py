@@ -192,3 +192,8 @@ def test_showcase_finding_names_the_best_linear_time_run_against_softmax():
                          "(2.790 against 2.800 bits/char, 0.996×)")
   assert "0.40 s against softmax's 10.00 s (25× faster) in 16.0× less memory" in text
   assert text.endswith("; positive M=64 1.107×.")
+  # One seed cannot tell runs within showcase.TIE apart: only a larger difference is a win or a loss.
+  records[2]["eval_bpc"] = 2.70
+  assert "window 16 beats softmax's quality" in showcase.finding(records)
+  records[2]["eval_bpc"], records[1]["eval_bpc"] = 2.90, 3.00
+  assert "window 16 trails softmax's quality" in showcase.finding(records)
