@@ -206,7 +206,7 @@ def saderf_statistic(query: Float[Array, "... Lq H D"], key: Float[Array, "... L
   The means are taken of winsorised values (each coordinate clipped at ±√(CLIP·c_l), c_l the larger of
   the median x_l² and the median ‖x‖²/d, ``CLIP`` = 64), so that one token cannot set Ψ and ρ for all: it
   adds at most CLIP·c_l/n to a mean over n rows (log Ψ_l moves by at most ¼·log(1 + CLIP·c_l/S_l), S_l the
-  sum of x_l² over the other rows). Data with no value beyond the cap (Gaussian rows: |x_l| > 5.4σ,
+  sum of x_l² over the other rows). Data with no value beyond the cap (Gaussian rows: ``|x_l| > 5.4σ``,
   probability 7e-8) get the paper's statistic unchanged; any Ψ > 0 and A < 1/8 keep the estimator
   unbiased, so the clip changes its variance only.
 
