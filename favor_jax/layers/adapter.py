@@ -8,6 +8,7 @@ from jaxtyping import Array, Float
 
 from favor_jax import core
 from favor_jax.layers.attend import attend
+from favor_jax.layers.gates import layer_log_gate
 from favor_jax.layers.inputs import check_dropout, key_mask_from_flax, precision_scope
 from favor_jax.layers.settings import FavorSettings
 
@@ -21,6 +22,8 @@ def make_attention_fn(
     chunk_size: int = 64,
     window: int = 0,
     causal_method: str = "auto",
+    alibi: bool = False,
+    forget_gate: bool = False,
 ) -> Callable[..., Array]:
   """An ``attention_fn`` computing :func:`favor_attention` with a fixed ``projection``.
 
@@ -39,10 +42,24 @@ def make_attention_fn(
   under a causal mask: decode through it with ``causal=False`` and no window);
   full masks, ``bias``, attention dropout, ``sow_weights`` and
   unknown keywords with a non-default value raise instead of being ignored.
+
+  ``alibi=True``: ALiBi's fixed per-head forget gate (log f = −m_h, ``core.alibi_slopes``), for causal
+  attention only (``causal=True`` or ``is_causal=True`` at the call; a bidirectional call raises).
+  What Flax's ``attention_fn`` interface cannot carry, and is refused: ``forget_gate=True`` (the learned gate
+  is a function of the layer's input, which an ``attention_fn`` never sees: use ``FavorAttention(...,
+  forget_gate=True)``) and packed documents (Flax passes no segment ids, only a mask; a segment mask
+  [batch, 1, L, L] is a full mask, refused like any other: use ``FavorAttention``'s ``segment_ids``).
+
+  Raises:
+    ValueError, TypeError: a bad argument (named), or ``forget_gate=True``.
   """
+  if forget_gate is not False:
+    raise ValueError(f"forget_gate={forget_gate!r}: make_attention_fn cannot learn a forget gate, which is a "
+                     "function of the layer's input and Flax's attention_fn is given only the query, key and value; "
+                     "use favor_jax.layers' FavorAttention(..., forget_gate=True) (alibi=True works here)")
   # Checked here, once, not at each call; NNX may still ask for causal attention at the call (is_causal).
   settings = FavorSettings.build(kernel=kernel, causal=causal, chunk_size=chunk_size, window=window,
-                                 causal_method=causal_method, causal_at_call=True)
+                                 causal_method=causal_method, alibi=alibi, causal_at_call=True)
 
   def attention_fn(query, key, value, bias=None, mask=None, broadcast_dropout=True, dropout_rng=None,
                    dropout_rate=0.0, deterministic=False, dtype=None, precision=None, module=None,
@@ -70,9 +87,13 @@ def make_attention_fn(
           "passes one query against the cached keys with a mask that is already causal: decode with an "
           "attention_fn made with causal=False (and window=0), or use favor_jax's FavorAttention layers, "
           "whose decode keeps a constant-size state.")
+    if alibi and not causal_now:
+      raise ValueError("alibi=True needs causal attention (a forget gate decays the keys before a query): make "
+                       "the attention_fn with causal=True or call it with is_causal=True")
+    log_gate = layer_log_gate(None, alibi, query.shape[:-1])
     with precision_scope(precision):
       out = attend(query, key, value, projection, settings, causal=causal_now,
-                   key_mask=key_mask_from_flax(mask, key), rho=rho)
+                   key_mask=key_mask_from_flax(mask, key), rho=rho, log_gate=log_gate)
     return out if dtype is None else out.astype(dtype)
 
   return attention_fn
