@@ -170,9 +170,8 @@ class Transformer(nn.Module):
 
   The classifier mean-pools the non-padding positions (token 0 is padding).
   ``train=True`` lets causal FAVOR++ layers update their running ρ (``favor``
-  collection mutable); there is no dropout. ``segment_ids`` [B, L] (a model built with
-  ``attention.packed``): packed documents, no attention across a boundary (positions must be relative:
-  rotary or none).
+  collection mutable); there is no dropout. ``segment_ids`` [B, L]: packed documents, no attention across a
+  boundary (positions must be relative: rotary or none); None: one document per row.
   """
   vocab_size: int
   num_classes: int
@@ -189,9 +188,6 @@ class Transformer(nn.Module):
   def __call__(self, tokens_BL: Int[Array, "B L"], train: bool = False,
                segment_ids: Int[Array, "B L"] | None = None) -> Array:
     causal = self.num_classes == 0
-    if (segment_ids is not None) != self.attention.packed:
-      raise ValueError(f"segment_ids {'given to' if segment_ids is not None else 'missing from'} a model built "
-                       f"with packed={self.attention.packed} (data.pack)")
     length = tokens_BL.shape[-1]
     if length > self.max_len:
       raise ValueError(f"tokens has length {length}, more than the model's max_len {self.max_len}")

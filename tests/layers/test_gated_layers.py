@@ -138,7 +138,7 @@ def test_linen_packed_row_is_each_document_alone(causal, window):
   variables = layer.init(jax.random.PRNGKey(0), x)
   variables = {**variables, "params": _randomised(variables["params"])}
   packed = jax.jit(lambda x, s: layer.apply(variables, x, segment_ids=s))(x, jnp.asarray(SEGMENTS))
-  alone = _documents_alone(lambda d: layer.apply(variables, d), x, SEGMENTS)
+  alone = _documents_alone(jax.jit(lambda d: layer.apply(variables, d)), x, SEGMENTS)
   np.testing.assert_allclose(packed, alone, rtol=1e-4, atol=1e-5)
 
 
@@ -148,7 +148,7 @@ def test_nnx_packed_row_is_each_document_alone():
   nnx.update(layer, _randomised(nnx.state(layer, nnx.Param)))
   x = _x(4)
   packed = nnx.jit(lambda m, x, s: m(x, segment_ids=s))(layer, x, jnp.asarray(SEGMENTS))
-  alone = _documents_alone(layer, x, SEGMENTS)
+  alone = _documents_alone(nnx.jit(lambda d: layer(d)), x, SEGMENTS)
   np.testing.assert_allclose(packed, alone, rtol=1e-4, atol=1e-5)
 
 
