@@ -11,9 +11,16 @@ import pytest
 from flax import nnx
 
 from experiments import models
+from favor_jax import core
 from favor_jax.layers import gates, make_attention_fn
 from favor_jax.layers import linen as favor_linen
 from favor_jax.layers import nnx as favor_nnx
+
+# The gated core (issue 40's log_gate/segment_ids, core.alibi_slopes) is built on branch `gates`; until it is
+# merged here, the tests that run gated attention are skipped, not failed.
+needs_gates = pytest.mark.skipif(not hasattr(core, "alibi_slopes"),
+                                 reason="needs the gates core of issue 40 (branch gates), not merged yet")
+
 
 B, L, DIN, H, DH = 2, 12, 16, 2, 8
 SEGMENTS = np.array([[0] * 5 + [1] * 7, [3] * 9 + [4] * 3])  # a boundary at 5 and at 9
@@ -76,6 +83,7 @@ def _linen_params(params):
           for n in params if n in ("query", "key", "value", "out", "forget_gate")}
 
 
+@needs_gates
 @pytest.mark.parametrize("kernel,forget_gate,alibi,packed", [
     ("elu_plus_one", True, False, False), ("elu_plus_one", False, True, True), ("positive", True, True, True)])
 def test_linen_gated_layer_is_the_explicit_gated_form(kernel, forget_gate, alibi, packed):
@@ -97,6 +105,7 @@ def test_linen_gated_layer_is_the_explicit_gated_form(kernel, forget_gate, alibi
   np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-5)
 
 
+@needs_gates
 def test_nnx_gated_packed_layer_is_the_explicit_gated_form():
   layer = favor_nnx.FavorAttention(H, DIN, H * DH, kernel="elu_plus_one", causal=True, forget_gate=True,
                                    alibi=True, chunk_size=4, rngs=nnx.Rngs(0))
@@ -110,6 +119,7 @@ def test_nnx_gated_packed_layer_is_the_explicit_gated_form():
   np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-5)
 
 
+@needs_gates
 @pytest.mark.parametrize("forget_gate,alibi", [(True, False), (False, True)])
 def test_softmax_model_attention_is_the_forgetting_transformer(forget_gate, alibi):
   layer = models.SoftmaxAttention(num_heads=H, rotary=False, forget_gate=forget_gate, alibi=alibi)
@@ -130,6 +140,7 @@ def _documents_alone(apply, x, segments):
   return jnp.concatenate(rows, axis=0)
 
 
+@needs_gates
 @pytest.mark.parametrize("causal,window", [(True, 0), (True, 3), (False, 0)])
 def test_linen_packed_row_is_each_document_alone(causal, window):
   layer = favor_linen.FavorAttention(num_heads=H, qkv_features=H * DH, num_features=16, causal=causal,
@@ -142,6 +153,7 @@ def test_linen_packed_row_is_each_document_alone(causal, window):
   np.testing.assert_allclose(packed, alone, rtol=1e-4, atol=1e-5)
 
 
+@needs_gates
 def test_nnx_packed_row_is_each_document_alone():
   layer = favor_nnx.FavorAttention(H, DIN, H * DH, num_features=16, causal=True, forget_gate=True, alibi=True,
                                    chunk_size=4, rngs=nnx.Rngs(0))
@@ -152,6 +164,7 @@ def test_nnx_packed_row_is_each_document_alone():
   np.testing.assert_allclose(packed, alone, rtol=1e-4, atol=1e-5)
 
 
+@needs_gates
 @pytest.mark.parametrize("window", [0, 3])
 def test_linen_decode_across_a_boundary_is_the_full_pass(window):
   kwargs = dict(num_heads=H, qkv_features=H * DH, num_features=16, causal=True, forget_gate=True, alibi=True,
@@ -183,6 +196,7 @@ def test_gates_are_refused_without_causal_attention_by_name():
     favor_nnx.FavorAttention(H, DIN, causal=True, forget_gate="yes", rngs=nnx.Rngs(0))
 
 
+@needs_gates
 def test_make_attention_fn_takes_alibi_and_refuses_a_learned_gate():
   with pytest.raises(ValueError, match="forget_gate=True: make_attention_fn cannot learn a forget gate"):
     make_attention_fn(None, kernel="elu_plus_one", forget_gate=True)
