@@ -212,3 +212,16 @@ def test_make_attention_fn_takes_alibi_and_refuses_a_learned_gate():
     p[name] = (np.zeros((H * DH, H, DH)), np.asarray(arr, np.float64))  # zero weight, the bias is the array
   want = _reference(x, p, kernel="elu_plus_one", forget_gate=False, alibi=True)
   np.testing.assert_allclose(np.asarray(got).reshape(B, L, -1), want, rtol=2e-4, atol=2e-5)
+
+
+@needs_gates
+def test_nnx_decode_across_a_boundary_is_the_full_pass():
+  layer = favor_nnx.FavorAttention(H, DIN, H * DH, num_features=16, causal=True, forget_gate=True, alibi=True,
+                                   window=3, chunk_size=4, rngs=nnx.Rngs(0))
+  nnx.update(layer, _randomised(nnx.state(layer, nnx.Param)))
+  x, segments = _x(6), jnp.asarray(SEGMENTS)
+  full = layer(x, segment_ids=segments)
+  layer.init_cache(x.shape)
+  step = nnx.jit(lambda m, xt, st: m(xt, decode=True, segment_ids=st))
+  outs = [step(layer, x[:, t:t + 1], segments[:, t:t + 1]) for t in range(L)]
+  np.testing.assert_allclose(jnp.concatenate(outs, axis=1), full, rtol=1e-4, atol=1e-5)
