@@ -56,25 +56,60 @@ def sequence_parallel_attention(
     rho: Float[Array, "... H"] | Float[Array, "... H D+1"] | None = None,
     chunk_size: int = 64,
 ) -> Float[Array, "... L H Dv"]:
-  """:func:`favor_attention` (same formula, kernels and stabiliser) with the sequence split over ``axis_name``.
+  """Computes :func:`~favor_jax.core.favor_attention` with the sequence split over a mesh axis.
 
-      out_t = Σ_j φ(q_t)ᵀφ(k_j) v_j / Σ_j φ(q_t)ᵀφ(k_j),  j over all unmasked keys (j ≤ t if ``causal``).
+  The same formula, kernels and stabiliser as ``favor_attention``::
 
-  Self-attention layout: query, key and value share the length L. An L that
-  the axis size does not divide is padded at the end with masked keys (and the
-  padded rows dropped), which changes no output. The result is sharded along
-  L over ``axis_name`` (not along L when L had to be padded on a mesh with
-  explicit axes, which cannot shard such a length) and, with ``batch_axis``,
-  the flattened batch over that axis (when its size divides the batch; the
-  batch is replicated otherwise — the result is the same either way). A
-  data-dependent kernel (FAVOR++ ``optimal_positive``, FAVOR# ``saderf``) needs an
-  explicit ``rho``: its statistic is a mean over the whole sequence, which would be
-  one more collective. The sharded computation runs compiled
-  (``jit``) even when called eagerly: ``shard_map`` executed op by op is far slower. Eager calls with the
-  same shapes, mesh and choices reuse one compilation. A plain callable ``kernel`` (not a ``kernels.Kernel``
-  record) is called with ``stabilize=False`` here, causal or not (each device sees part of the keys): its
-  features must stay within float32's range (see :func:`favor_attention`), where one device's bidirectional
-  call stabilises them.
+      out_t = Σ_j φ(q_t)ᵀφ(k_j) v_j / Σ_j φ(q_t)ᵀφ(k_j),
+
+  j over all unmasked keys (j ≤ t if ``causal``). Self-attention layout: query,
+  key and value share the length L. An L that the axis size does not divide is
+  padded at the end with masked keys (and the padded rows dropped), which
+  changes no output. The sharded computation runs compiled (``jit``) even when
+  called eagerly (``shard_map`` executed op by op is far slower); eager calls
+  with the same shapes, mesh and choices reuse one compilation. Works under
+  ``jit`` and ``grad``.
+
+  Args:
+    query: queries, shape [..., L, H, D].
+    key: keys, shape [..., L, H, D].
+    value: values, shape [..., L, H, Dv].
+    projection: ω, shape [M, D] (shared by the heads) or [H, M, D] (one per
+      head), or None for a kernel that takes none; replicated on every device.
+    mesh: the ``jax.sharding.Mesh`` to run on.
+    axis_name: the mesh axis the sequence L is split over.
+    batch_axis: optional mesh axis (not ``axis_name``) the flattened batch is
+      split over when its size divides the batch (replicated otherwise: the
+      result is the same either way).
+    kernel: a name in ``KERNELS``, a :class:`~favor_jax.core.kernels.Kernel`, or
+      a callable with a kernel's signature. A plain callable (not a ``Kernel``
+      record) is called with ``stabilize=False`` here, causal or not (each
+      device sees part of the keys): its features must stay within float32's
+      range.
+    causal: whether query t sees only keys j ≤ t.
+    key_mask: optional bool [..., L]; False leaves a key out.
+    rho: the statistic of a data-dependent kernel ([..., H] for FAVOR++
+      ``optimal_positive``, [..., H, D+1] for FAVOR# ``saderf``); required for
+      them, since computing it would be one more collective over the sequence.
+    chunk_size: C, the chunk length of the local causal pass.
+
+  Returns:
+    The attention output, shape [..., L, H, Dv], in the inputs' dtype; sharded
+    along L over ``axis_name`` (not along L when L had to be padded on a mesh
+    with explicit axes, which cannot shard such a length) and, with
+    ``batch_axis``, along the batch.
+
+  Raises:
+    TypeError: if ``mesh`` is not a ``Mesh``, ``causal`` is not a bool, or an
+      array has the wrong dtype (a mask not bool, inputs not floating).
+    ValueError: if ``axis_name`` or ``batch_axis`` is not an axis of ``mesh``,
+      they are equal, shapes disagree (query and key lengths included), a
+      data-dependent kernel gets no ``rho`` or a concrete invalid one, the
+      kernel is unknown or needs a projection and gets none, or ``chunk_size``
+      is not a positive int.
+
+  References:
+    Choromanski et al. 2021, "Rethinking Attention with Performers" (ICLR).
   """
   _check_axis(mesh, axis_name)
   if batch_axis is not None:
@@ -159,12 +194,29 @@ def _sharded(q, k, v, mask, projection, rho_NH, *, mesh, axis_name, specs, kern,
 
 def communication_bytes(batch: int, heads: int, num_features: int, value_dim: int, devices: int,
                         causal: bool, bytes_per_number: int = 4) -> int:
-  """Bytes each device receives per forward call, from the shapes (independent of L).
+  """Computes the bytes each device receives per forward call of :func:`sequence_parallel_attention`.
 
-  Bidirectional: a ring all-reduce of Σφ(k)vᵀ, Σφ(k) and the key scales moves
-  2·(devices−1)/devices of their size. Causal: an all-gather of every other
-  device's (μ, S) state. Not counted: the collective of one flag per example and head (per device,
+  Independent of L. Bidirectional: a ring all-reduce of Σφ(k)vᵀ, Σφ(k) and the
+  key scales moves 2·(P−1)/P of their size, B·H·F·(Dv+2) numbers. Causal: an
+  all-gather of every other device's (μ, S) state, (P−1)·B·H·F·(Dv+2) numbers.
+  Not counted: the collective of one flag per example and head (per device,
   causal) that spreads a non-finite key or value's NaN.
+
+  Args:
+    batch: B, the batch (all batch dims flattened).
+    heads: H, the number of heads.
+    num_features: F, features per head.
+    value_dim: Dv, the head dim of value.
+    devices: P, devices along the sequence axis.
+    causal: whether the call is causal.
+    bytes_per_number: bytes of one number (4 for float32).
+
+  Returns:
+    The number of bytes, an int.
+
+  Raises:
+    ValueError: if a size is not a positive int.
+    TypeError: if ``causal`` is not a bool.
   """
   sizes = dict(batch=batch, heads=heads, num_features=num_features, value_dim=value_dim, devices=devices,
                bytes_per_number=bytes_per_number)

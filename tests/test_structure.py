@@ -101,11 +101,41 @@ def test_no_import_cycle_in_the_source():
   assert _cycle(graph) is None, f"import cycle: {' -> '.join(_cycle(graph))}"
 
 
-@pytest.mark.parametrize("name", _module_names())
-def test_every_module_imports_first_in_a_fresh_process(name):
+# One process imports each module first in turn: the package's modules are dropped from ``sys.modules`` before
+# each import (JAX and the rest stay loaded), so every module starts the package's import as in a fresh process.
+_IMPORT_EACH_FIRST = """
+import importlib, sys, traceback
+failed = []
+package = sys.argv[1]
+for name in sys.argv[2:]:
+  for loaded in [m for m in sys.modules if m == package or m.startswith(package + ".")]:
+    del sys.modules[loaded]
+  try:
+    importlib.import_module(name)
+  except Exception:
+    failed.append(name + ":\\n" + traceback.format_exc()[-1500:])
+print("\\n".join(failed))
+sys.exit(1 if failed else 0)
+"""
+
+
+def test_every_module_imports_first():
   """Imported before anything else of the package: a module in a cycle meets its partner half-initialised."""
-  done = subprocess.run([sys.executable, "-c", f"import {name}"], capture_output=True, text=True)
-  assert done.returncode == 0, done.stderr[-3000:]
+  command = [sys.executable, "-c", _IMPORT_EACH_FIRST, "favor_jax", *_module_names()]
+  done = subprocess.run(command, capture_output=True, text=True)
+  assert done.returncode == 0, (done.stdout + done.stderr)[-6000:]
+
+
+def test_importing_first_finds_a_cycle(tmp_path):
+  """The check above fails on a real cycle (two modules importing each other's names at import time)."""
+  pkg = tmp_path / "favor_jax_cycle_probe"
+  pkg.mkdir()
+  (pkg / "__init__.py").write_text("")
+  (pkg / "a.py").write_text("from favor_jax_cycle_probe.b import B\nA = 1\n")
+  (pkg / "b.py").write_text("from favor_jax_cycle_probe.a import A\nB = 2\n")
+  probe = [sys.executable, "-c", _IMPORT_EACH_FIRST, "favor_jax_cycle_probe", "favor_jax_cycle_probe.a"]
+  done = subprocess.run(probe, capture_output=True, text=True, cwd=tmp_path)
+  assert done.returncode == 1 and "ImportError" in done.stdout, done.stdout + done.stderr
 
 
 def _function_attribute_writes(text: str, filename: str = "<source>") -> list[str]:

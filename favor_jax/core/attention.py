@@ -1,11 +1,8 @@
 """Exact softmax attention (the reference), normalised linear attention and FAVOR attention.
 
-Layout: query ``[..., Lq, H, D]``, key ``[..., Lk, H, D]``, value ``[..., Lk, H, Dv]``,
-output ``[..., Lq, H, Dv]`` in the inputs' dtype; float32 inside.
-
-Each public function checks its arguments once, here (``inputs.validate``, ``checks``), resolves its
-kernel into a :class:`~favor_jax.core.features.Features` record, and runs its algorithm
-(``bidirectional``, ``causal``'s methods, ``hybrid``) inside the input envelope (``inputs.envelope``).
+Layout: query ``[..., Lq, H, D]``, key ``[..., Lk, H, D]``, value ``[..., Lk, H, Dv]``, output ``[..., Lq, H, Dv]``
+in the inputs' dtype; float32 inside. Each public function checks its arguments once, here, resolves its kernel
+into a ``features.Features`` record, and runs its algorithm inside the input envelope (``inputs.envelope``).
 """
 
 from __future__ import annotations
@@ -39,9 +36,24 @@ def softmax_attention(
     causal: bool = False,
     key_mask: Bool[Array, "... Lk"] | None = None,
 ) -> Float[Array, "... Lq H Dv"]:
-  """Exact attention, softmax(q kᵀ/√d) v (Vaswani et al. 2017); the reference FAVOR estimates.
+  """Computes exact attention softmax(q kᵀ/√d) v, the reference FAVOR estimates.
 
-  A query that can see no key (all masked) returns 0.
+  Args:
+    query: queries, shape [..., Lq, H, D].
+    key: keys, shape [..., Lk, H, D].
+    value: values, shape [..., Lk, H, Dv].
+    causal: whether query t sees only keys j ≤ t (needs Lq = Lk).
+    key_mask: optional bool [..., Lk] (broadcastable); False leaves a key out.
+
+  Returns:
+    The output, shape [..., Lq, H, Dv], in the inputs' dtype; 0 in a row that can see no key (all masked).
+
+  Raises:
+    TypeError: if an input is not a floating array, ``key_mask`` not bool or ``causal`` not a bool.
+    ValueError: if the shapes disagree, a length is 0, or ``causal`` with Lq ≠ Lk.
+
+  References:
+    Vaswani et al. 2017, "Attention Is All You Need" (NeurIPS).
   """
   inputs.validate(query, key, value, key_mask, causal)
 
@@ -57,10 +69,10 @@ def softmax_attention(
     num = jnp.einsum("nhqk,nkhd->nqhd", weights, v.astype(f32))
     return state_lib.divide(num, jnp.moveaxis(jnp.sum(weights, axis=-1), -2, -1))
 
-  return inputs.envelope(exact, query, key, value, key_mask, causal=causal)
+  return inputs.envelope(exact, query, key, value, key_mask, causal=causal, in_range=False)
 
 
-def _linear(features, query, key, value, key_mask, causal, causal_method, chunk_size):
+def _linear(features, query, key, value, key_mask, causal, causal_method, chunk_size, in_range=True):
   """Normalised linear attention by ``features`` in the input envelope: the bidirectional pass, or the causal
   one ``causal_method`` chooses (arguments checked by the caller)."""
   def algorithm(q, k, v, mask):
@@ -69,7 +81,7 @@ def _linear(features, query, key, value, key_mask, causal, causal_method, chunk_
       return bidirectional_lib.bidirectional(features, q, k, v, mask, divide=True)
     return causal_lib.attend(features, q, k, v, mask, causal_method=causal_method, chunk_size=chunk_size)
 
-  return inputs.envelope(algorithm, query, key, value, key_mask, causal=causal)
+  return inputs.envelope(algorithm, query, key, value, key_mask, causal=causal, in_range=in_range)
 
 
 def linear_attention(
@@ -82,18 +94,36 @@ def linear_attention(
     causal_method: str = "auto",
     chunk_size: int = 64,
 ) -> Float[Array, "... Lq H Dv"]:
-  """Normalised linear attention given features (Katharopoulos et al. 2020):
+  """Computes normalised linear attention from given features: ``out_t = Σ_j (φ_tᵀψ_j) v_j / Σ_j φ_tᵀψ_j``.
 
-      out_t = Σ_j (φ_tᵀ ψ_j) v_j / Σ_j φ_tᵀ ψ_j,  over j ≤ t if ``causal``, unmasked j only.
+  The sum is over unmasked j (j ≤ t if causal): ``(A v) / (A 1)`` with ``A = φ ψᵀ`` (lower-triangular if
+  causal), without forming A. Rows with a zero denominator return 0. Features are used as given.
 
-  Equals ``(A v) / (A 1)`` with ``A = φ ψᵀ`` (lower-triangular if causal) without
-  forming A. Rows with a zero denominator return 0. Features are used as given.
+  Args:
+    query_features: φ, shape [..., Lq, H, F].
+    key_features: ψ, shape [..., Lk, H, F].
+    value: values, shape [..., Lk, H, Dv].
+    causal: whether query t sees only keys j ≤ t (needs Lq = Lk).
+    key_mask: optional bool [..., Lk] (broadcastable); False leaves a key out.
+    causal_method: the causal pass, as in :func:`favor_attention`.
+    chunk_size: C, the chunk length of the causal pass (checked, unused when not causal).
+
+  Returns:
+    The output, shape [..., Lq, H, Dv], in the inputs' dtype.
+
+  Raises:
+    TypeError: if an input is not a floating array, ``key_mask`` not bool or ``causal`` not a bool.
+    ValueError: if shapes disagree, a length is 0, ``causal`` with Lq ≠ Lk, or as :func:`favor_attention`
+      raises for ``causal_method`` and ``chunk_size``.
+
+  References:
+    Katharopoulos et al. 2020, "Transformers are RNNs" (ICML).
   """
   inputs.validate(query_features, key_features, value, key_mask, causal, "query_features", "key_features")
   checks.check_causal_method(causal_method, causal_lib.CAUSAL_METHODS, causal)
   chunk_size = checks.check_chunk_size(chunk_size)
   return _linear(features_lib.as_given(), query_features, key_features, value, key_mask, causal, causal_method,
-                 chunk_size)
+                 chunk_size, in_range=False)
 
 
 def favor_attention(
@@ -110,60 +140,47 @@ def favor_attention(
     chunk_size: int = 64,
     query_mask: Bool[Array, "... Lq"] | None = None,
 ) -> Float[Array, "... Lq H Dv"]:
-  """FAVOR attention (Choromanski et al. 2021, "Rethinking Attention with Performers"):
+  """Computes FAVOR attention in linear time: ``out = D⁻¹ (φ(Q) (φ(K)ᵀ V))``, ``D = diag(φ(Q) (φ(K)ᵀ 1))``.
 
-      out = D⁻¹ (φ(Q) (φ(K)ᵀ V)),  D = diag(φ(Q) (φ(K)ᵀ 1)),
+  With a softmax kernel this estimates :func:`softmax_attention` from an unbiased estimate of its kernel. Keys
+  are stabilised in log domain by a running maximum over past keys only (for ``Kernel`` records), so causal
+  outputs never depend, even numerically, on later tokens. A query that sees no unmasked key gives 0; a
+  non-finite query NaN in its own row; a non-finite unmasked key or value NaN in the rows that may see it (in
+  no earlier row); masked keys are ignored whatever they hold. Other edges: docs/guarantees.md.
 
-  with φ the random feature map ``kernel`` (a name from ``kernels.KERNELS`` or a
-  callable ``kernel(q, k, projection, *, stabilize) -> (φq, φk)``). For softmax
-  kernels this is an unbiased-kernel estimate of ``softmax_attention``.
+  Args:
+    query: queries, shape [..., Lq, H, D].
+    key: keys, shape [..., Lk, H, D].
+    value: values, shape [..., Lk, H, Dv].
+    projection: ω, [M, D] (shared by the heads) or [H, M, D] (one per head); None if the kernel takes none.
+    kernel: a name in ``KERNELS``, a :class:`~favor_jax.core.kernels.Kernel`, or a callable
+      ``kernel(q, k, projection, *, stabilize) -> (φq, φk)`` (linear-domain features: causal passes and
+      ``favor_jax.parallel`` call it with ``stabilize=False``, so they must stay in float32's range).
+    causal: whether query t sees only keys j ≤ t (needs Lq = Lk).
+    key_mask: optional bool [..., Lk] (broadcastable); False leaves a key out.
+    rho: a data-dependent kernel's statistic, FAVOR++'s ρ [..., H] or FAVOR#'s [..., H, D+1] (log Ψ, then ρ);
+      required if ``causal``, else computed here over the unmasked keys and the queries of ``query_mask``.
+    causal_method: the causal pass: ``"auto"`` (``"pallas"`` on a GPU where the kernel's features allow it,
+      else ``"chunked"``), ``"chunked"`` (exact causal chunks with carried state, XLA), ``"pallas"`` (the same
+      chunks as fused Pallas kernels; ``chunk_size`` a power of two ≥ 16; first derivatives only),
+      ``"scan"`` (per-token recurrence) or ``"cumsum"`` (prefix states). ``"chunked"`` and ``"pallas"`` are
+      reverse-mode only (JAX raises TypeError under ``jax.jvp``). Unused (``"pallas"`` refused) when not causal.
+    chunk_size: C, the chunk length of the causal pass (checked, unused when not causal).
+    query_mask: optional bool [..., Lq]; False leaves a query (padding) out of a data-dependent kernel's
+      statistic, nothing else. Pass a padded self-attention's mask as both masks.
 
-  Keys are stabilised in log domain by a running maximum over past keys only,
-  so causal outputs never depend, even numerically, on later tokens. That holds
-  for ``kernels.Kernel`` records (every name in ``KERNELS``, or one of your own:
-  its log-features and facts, see ``kernels.py``). A plain callable gives its
-  features in linear domain, with its own stabiliser: it is called with
-  ``stabilize=True`` over the whole sequence when not causal, but causal passes
-  (and :func:`favor_jax.parallel.sequence_parallel_attention`, whose devices see
-  part of the keys) call it with ``stabilize=False`` (its stabiliser would look
-  ahead), so its features must stay within float32's range there: where they
-  underflow (e.g. exp(ωx − ‖x‖²/2) at large ‖x‖) rows come out 0 or wrong. Make
-  such a map a ``Kernel`` record.
-  ``causal_method`` and ``chunk_size`` choose the causal pass (a value outside
-  their range is refused either way); bidirectional attention has one pass,
-  folding keys in blocks of its own, and reads neither (``"pallas"`` is
-  refused there: it has no fused kernel).
-  ``causal_method``: ``"auto"`` (default: ``"pallas"`` on a GPU where the
-  kernel's features allow it, else ``"chunked"``), ``"chunked"`` (exact
-  causal chunks of ``chunk_size`` with carried state, XLA), ``"pallas"``
-  (the same chunks as fused Pallas kernels; Pallas's interpreter off GPU;
-  ``chunk_size`` a power of two ≥ 16; first derivatives only: a second one
-  raises ``ValueError``),
-  ``"scan"`` (the paper's per-token recurrence) or ``"cumsum"``
-  (materialised prefix states). ``"chunked"`` and ``"pallas"`` (custom
-  VJPs) are reverse mode only: under ``jax.jvp``/``jax.jacfwd`` JAX raises
-  ``TypeError`` ("can't apply forward-mode autodiff (jvp) to a custom_vjp
-  function"); ``"scan"`` and ``"cumsum"`` take forward mode. On an H200 the fused kernels ran fwd+bwd
-  3.4-4.8× faster than ``"chunked"`` with 3.2-3.6× its memory (that code kept
-  float32 log features for the backward pass; it now recomputes them, keeping the
-  inputs and one state per chunk, not yet measured on a GPU; README "Measured
-  speed"): pass ``"chunked"`` where memory is short. ``rho`` is the
-  statistic of a data-dependent kernel, required when ``causal``: FAVOR++'s ρ
-  [..., H] (``optimal_positive``) or FAVOR#'s [..., H, D+1] (``saderf``: log Ψ
-  per coordinate, then ρ; see ``kernels.saderf_statistic``). Not causal, it is
-  computed here over the unmasked keys and the queries of ``query_mask``
-  (False: padding; None: all): pass the padding mask of a padded self-attention
-  as both masks, so the real rows do not depend on how much padding follows.
-  ``query_mask`` selects nothing else: every query's row is computed.
+  Returns:
+    The output, shape [..., Lq, H, Dv], in the inputs' dtype.
 
-  Degenerate and non-finite inputs: a query that sees no unmasked key gives 0.
-  A non-finite query gives NaN in its own row; a non-finite unmasked key or
-  value gives NaN in the rows that may see it (and in no earlier row); masked
-  keys are ignored whatever they hold. A concrete ``rho`` must be finite and
-  ≥ 0 (else ``ValueError``; a traced one gives NaN). A zero projection gives
-  each kernel at ω = 0: positive/hyperbolic/FAVOR++ features are then the
-  same for every ω, so keys are weighted by exp(−‖k‖²/(2√d)); ReLU features
-  are 0 and every row is 0; trigonometric ones weight keys by exp(+‖k‖²/(2√d)).
+  Raises:
+    TypeError: if an input is not a floating array, a mask not bool or ``causal`` not a bool.
+    ValueError: if shapes disagree, a length is 0, ``causal`` with Lq ≠ Lk, the kernel is unknown or gets a
+      projection it does not take or lacks one it needs, a causal data-dependent kernel lacks ``rho``, a
+      concrete ``rho`` is invalid, ``causal_method`` is unknown (or ``"pallas"`` when not causal),
+      ``chunk_size`` is not a positive int, or a second derivative is taken through ``"pallas"``.
+
+  References:
+    Choromanski et al. 2021, "Rethinking Attention with Performers" (ICLR).
   """
   inputs.validate(query, key, value, key_mask, causal, query_mask=query_mask)
   checks.check_causal_method(causal_method, causal_lib.CAUSAL_METHODS, causal)
@@ -186,17 +203,37 @@ def hybrid_attention(
     chunk_size: int = 64,
     query_mask: Bool[Array, "... Lq"] | None = None,
 ) -> Float[Array, "... Lq H Dv"]:
-  """Exact softmax weights near each query, the kernel's estimate for all other keys, one normaliser
-  (Scatterbrain: Chen et al. 2021; Based's local + global split, Arora et al. 2024):
+  """Computes attention with exact softmax weights near each query and a kernel's estimate elsewhere.
 
-      out_t = Σ_j w_tj v_j / Σ_j w_tj,   w_tj = exp(q_t·k_j/√d) if j is in t's window, else φ(q_t)ᵀφ(k_j),
+  ``out_t = Σ_j w_tj v_j / Σ_j w_tj``, ``w_tj = exp(q_t·k_j/√d)`` if j is in t's window (``t − window < j ≤ t``
+  when causal, ``abs(t − j) < window`` otherwise), else ``φ(q_t)ᵀφ(k_j)``: with an unbiased softmax kernel each
+  w_tj is an unbiased estimate of exp(q_t·k_j/√d). ``window=0`` is :func:`favor_attention`; a window covering
+  the sequence is :func:`softmax_attention`. O(L·(window + F)·(D + Dv)) time, no [L, L] array; the causal
+  stabiliser never looks ahead. Masks, non-finite inputs and ``rho`` behave as in :func:`favor_attention`.
 
-  the window being t − window < j ≤ t (``causal``) or |t − j| < window. With an
-  unbiased softmax kernel each w_tj is an unbiased estimate of exp(q_t·k_j/√d).
-  ``window=0`` is :func:`favor_attention`; a window covering the sequence is
-  :func:`softmax_attention`. O(L·(window + F)·(D + Dv)) time, no [L, L] array;
-  the causal stabiliser never looks ahead. Needs Lq = Lk (positions are shared).
-  Masks, non-finite inputs, ``rho`` and ``query_mask`` behave as in :func:`favor_attention`.
+  Args:
+    query: queries, shape [..., Lq, H, D].
+    key: keys, shape [..., Lk, H, D].
+    value: values, shape [..., Lk, H, Dv].
+    projection: ω, [M, D] or [H, M, D]; None for a kernel that takes none.
+    window: W ≥ 0, the exact window's width in positions (0: none).
+    kernel: as in :func:`favor_attention`.
+    causal: whether query t sees only keys j ≤ t.
+    key_mask: optional bool [..., Lk]; False leaves a key out.
+    rho: a data-dependent kernel's statistic, as in :func:`favor_attention`.
+    chunk_size: C, the chunk length of the causal pass.
+    query_mask: optional bool [..., Lq], as in :func:`favor_attention`.
+
+  Returns:
+    The output, shape [..., Lq, H, Dv], in the inputs' dtype.
+
+  Raises:
+    TypeError: as :func:`favor_attention` raises.
+    ValueError: as :func:`favor_attention` raises, and if Lq ≠ Lk or ``window`` is not an int ≥ 0.
+
+  References:
+    Chen et al. 2021, "Scatterbrain: Unifying Sparse and Low-rank Attention" (NeurIPS).
+    Arora et al. 2024, "Simple linear attention language models balance the recall-throughput tradeoff".
   """
   inputs.validate(query, key, value, key_mask, causal, query_mask=query_mask)
   checks.check_causal_lengths(query, key, "hybrid attention (its window is positions t − j, causal or not)")
@@ -223,17 +260,27 @@ def favor_decode_init(
     kernel="positive",
     window: int = 0,
 ) -> state_lib.RecurrentState | hybrid_lib.HybridState:
-  """The empty state for :func:`favor_decode_step`, sized from one step's inputs.
+  """Makes the empty decoding state for :func:`favor_decode_step`, sized from one step's inputs.
 
-  ``window=0``: a :class:`RecurrentState`, S = Σ_j e^{log φ(k_j) − μ}[v_j, 1]ᵀ per
-  head ([..., H, F, Dv+1], ``...`` the inputs' batch dimensions) and μ, the running
-  per-feature maximum of log φ(k_j). ``window > 0`` (:func:`hybrid_attention`): a
-  :class:`HybridState`, the last ``window`` keys and values ([..., W, H, D + Dv])
-  and the RecurrentState of the keys before them. Every array but the hybrid
-  state's token count leads with the batch dimensions, so a state decodes only
-  inputs of the batch shape it was made for. Its shapes are checked; the kernel
-  and projection it was built with are not recorded (a state is arrays only, to
-  pass through jit and scans): continue it with those it was made with.
+  Its arrays (but the hybrid token count) lead with the batch dims: it decodes inputs of that batch shape
+  only. Kernel and projection are not recorded (arrays only, for jit and scans): continue with the same ones.
+
+  Args:
+    query: one step's query, shape [..., 1, H, D] (sizes the state).
+    value: one step's value, shape [..., 1, H, Dv] (sizes the state).
+    projection: ω, [M, D] or [H, M, D]; None for a kernel that takes none.
+    kernel: as in :func:`favor_attention`.
+    window: W ≥ 0, the exact window of :func:`hybrid_attention` (0: plain FAVOR).
+
+  Returns:
+    ``window=0``: a :class:`RecurrentState`, S = Σ_j e^{log φ(k_j) − μ}[v_j, 1]ᵀ ([..., H, F, Dv+1]) and μ,
+    the running per-feature maximum of log φ(k_j); ``window > 0``: a :class:`HybridState`, the last W keys
+    and values ([..., W, H, D + Dv]) and the RecurrentState of the keys before them. Float32.
+
+  Raises:
+    TypeError: if an input is not a floating array.
+    ValueError: if the shapes disagree, ``window`` is not an int ≥ 0, or the kernel is unknown or lacks a
+      projection it needs.
   """
   inputs.validate(query, query, value, None, True)
   window = checks.check_window(window)
@@ -288,16 +335,33 @@ def favor_decode_step(
     chunk_size: int = 64,
     window: int = 0,
 ) -> tuple[state_lib.RecurrentState | hybrid_lib.HybridState, Float[Array, "... l H Dv"]]:
-  """Continues causal FAVOR attention from ``state`` by l ≥ 1 tokens; O(M·Dv) state per head:
+  """Continues causal FAVOR attention from ``state`` by l ≥ 1 tokens, with O(M·Dv) state per head.
 
-      S ← S + φ(k_t)[v_t, 1]ᵀ,   out_t = φ(q_t)ᵀS[:, :Dv] / φ(q_t)ᵀS[:, Dv]
+  ``S ← S + φ(k_t)[v_t, 1]ᵀ``, ``out_t = φ(q_t)ᵀS[:, :Dv] / φ(q_t)ᵀS[:, Dv]`` (with the running stabiliser).
+  One token costs O(M·(D+Dv)); a longer step (a prompt) runs the chunked algorithm. Steps over tokens 0..t
+  give the outputs of ``favor_attention(..., causal=True)``; with ``window > 0`` those of
+  ``hybrid_attention(..., window=window, causal=True)`` (O(window·(D+Dv) + F·Dv) state; one token at a time).
 
-  (with the running stabiliser). One token costs O(M·(D+Dv)); a longer step
-  (a prompt) runs the chunked algorithm. Steps over tokens 0..t give the same
-  outputs as ``favor_attention(..., causal=True)``; with ``window > 0`` those of
-  ``hybrid_attention(..., window=window, causal=True)`` (O(window·(D+Dv) + F·Dv)
-  state; tokens are taken one at a time). A non-finite key or value makes this
-  and every later output NaN (the returned state is NaN).
+  Args:
+    state: from :func:`favor_decode_init` or the last step (a ``(mu, s)`` tuple reads as a RecurrentState).
+    query: queries, shape [..., l, H, D].
+    key: keys, shape [..., l, H, D].
+    value: values, shape [..., l, H, Dv].
+    projection: ω, [M, D] or [H, M, D], the one the state was made with.
+    kernel: the kernel the state was made with.
+    key_mask: optional bool [..., l]; False leaves a key out.
+    rho: a data-dependent kernel's statistic (required: decoding is causal), as in :func:`favor_attention`.
+    chunk_size: C, the chunk length for a step of l > 1 tokens.
+    window: W, the window the state was made with.
+
+  Returns:
+    ``(new_state, out)``: the state after these tokens (NaN once a non-finite key or value was seen) and
+    the output, shape [..., l, H, Dv], in the inputs' dtype.
+
+  Raises:
+    TypeError: if an input is not a floating array, or the state's leaves are not float32 (a cast cache).
+    ValueError: if the state's type or shapes do not fit these inputs (batch shape, heads, features, value
+      size, window), or as :func:`favor_attention` raises for shapes, kernel, ``rho`` and ``chunk_size``.
   """
   inputs.validate(query, key, value, key_mask, True)
   chunk_size = checks.check_chunk_size(chunk_size)

@@ -32,7 +32,18 @@ LOCAL_BLOCK = 32  # the smallest query block of the exact part (larger windows u
 
 
 class HybridState(NamedTuple):
-  """Decode state of hybrid attention: the last ``window`` keys exactly, the older ones as features."""
+  """Decode state of hybrid attention: the last ``window`` keys exactly, the older ones as features.
+
+  Inside the algorithms the batch dims are flattened into N; :func:`~favor_jax.core.favor_decode_init` and
+  :func:`~favor_jax.core.favor_decode_step` give and take it with the batch dims ``...`` instead.
+
+  Attributes:
+    keys: [N, W, H, D], a ring buffer: slot (t mod W) holds token t.
+    values: [N, W, H, Dv], the same slots' values.
+    valid: bool [N, W], whether the slot holds an unmasked key.
+    position: int32 [], the tokens seen so far.
+    recurrent: the :class:`~favor_jax.core.RecurrentState` of the keys that left the window.
+  """
   keys: Array  # [N, W, H, D] ring buffer: slot (t mod W) holds token t
   values: Array  # [N, W, H, Dv]
   valid: Array  # bool [N, W]: the slot holds an unmasked key

@@ -16,7 +16,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from favor_jax.core import checks
+from favor_jax.core import checks, statistics
 
 
 def validate(query, key, value, key_mask, causal, q_name="query", k_name="key", query_mask=None):
@@ -59,12 +59,14 @@ def pad_to(x, length, value=0):
   return jnp.pad(x, widths, constant_values=value)
 
 
-def split_nonfinite(q, k, v, mask, *, causal: bool, axis_name=None, prior=None):
+def split_nonfinite(q, k, v, mask, *, causal: bool, axis_name=None, prior=None, in_range: bool = True):
   """Non-finite inputs, taken out of the computation and marked (one rule for every algorithm).
 
   Returns q, k, v with non-finite entries (and masked keys) set to 0, and ``bad`` [N, Lq, H]: the
   rows whose exact output depends on a non-finite input — their own query, or
-  an unmasked key or value they may see (j ≤ t if ``causal``). Masked keys are
+  an unmasked key or value they may see (j ≤ t if ``causal``). ``in_range`` (feature maps: every caller but
+  exact softmax and given features): a query or key row beyond the kernels' range
+  (``statistics.in_range``) counts as non-finite, and is set to 0 whole. Masked keys are
   absent, whatever they hold. ``axis_name``: the sequence is split over this
   mesh axis (inside ``shard_map``); keys on earlier devices count as seen (all
   devices', if not causal). ``prior`` [N, H]: a non-finite key came before
@@ -72,7 +74,9 @@ def split_nonfinite(q, k, v, mask, *, causal: bool, axis_name=None, prior=None):
   up to the last position held one (the state after them is poisoned).
   """
   finite = lambda x: jnp.all(jnp.isfinite(x), axis=-1)
-  bad_kv = ~(finite(k) & finite(v)) & mask[:, :, None]
+  ok = statistics.in_range if in_range else finite
+  ok_q, ok_k = ok(q), ok(k)
+  bad_kv = ~(ok_k & finite(v)) & mask[:, :, None]
   if prior is not None:
     bad_kv = bad_kv.at[:, 0].set(bad_kv[:, 0] | prior)
   if causal:
@@ -88,8 +92,9 @@ def split_nonfinite(q, k, v, mask, *, causal: bool, axis_name=None, prior=None):
   zero = lambda x: jnp.where(jnp.isfinite(x), x, jnp.zeros((), x.dtype))
   # Masked keys are zeros from here on: a user's feature map that stabilises over the keys it is given
   # must not scale the unmasked ones by a masked key's features (they could underflow to silent zeros).
-  k = jnp.where(mask[:, :, None, None], zero(k), jnp.zeros((), k.dtype))
-  return zero(q), k, zero(v), ~finite(q) | seen, seen[:, -1]
+  k = jnp.where((mask[:, :, None] & ok_k)[..., None], k, jnp.zeros((), k.dtype))
+  q = jnp.where(ok_q[..., None], q, jnp.zeros((), q.dtype))
+  return q, k, zero(v), ~ok_q | seen, seen[:, -1]
 
 
 def poison(out, bad):
@@ -111,22 +116,24 @@ def over_batch(fn, query, key, value, key_mask):
   return out.reshape(batch + out.shape[1:]).astype(out_dtype(query, key, value)), carry
 
 
-def without_nonfinite(algorithm, q, k, v, mask, *, causal: bool, axis_name=None, prior=None):
+def without_nonfinite(algorithm, q, k, v, mask, *, causal: bool, axis_name=None, prior=None, in_range=True):
   """The inner half of the envelope: ``algorithm(q, k, v, mask, seen)`` on inputs with their non-finite entries
-  zeroed (``split_nonfinite``, whose arguments ``causal``, ``axis_name``, ``prior`` are; ``seen`` [N, H]: the
+  zeroed (``split_nonfinite``, whose arguments ``causal``, ``axis_name``, ``prior``, ``in_range`` are;
+  ``seen`` [N, H]: the
   state after the last key is poisoned) returns (out [N, Lq, H, Dv], carry); returns (out with NaN in the
   rows that may see a non-finite input, carry as it is)."""
-  q, k, v, bad, seen = split_nonfinite(q, k, v, mask, causal=causal, axis_name=axis_name, prior=prior)
+  q, k, v, bad, seen = split_nonfinite(q, k, v, mask, causal=causal, axis_name=axis_name, prior=prior,
+                                       in_range=in_range)
   out, carry = algorithm(q, k, v, mask, seen)
   return poison(out, bad), carry
 
 
-def envelope(algorithm, query, key, value, key_mask, *, causal: bool):
+def envelope(algorithm, query, key, value, key_mask, *, causal: bool, in_range: bool = True):
   """An attention call's path around its algorithm: ``algorithm(q, k, v, mask) -> out [N, Lq, H, Dv]`` on the
   flattened batch with non-finite inputs taken out; returns out [..., Lq, H, Dv] in the inputs' dtype, NaN
-  in the rows that may see a non-finite input."""
+  in the rows that may see a non-finite input (``in_range``: or a query or key beyond the kernels' range)."""
   inner = lambda *x: without_nonfinite(lambda q, k, v, mask, _: (algorithm(q, k, v, mask), None), *x,
-                                       causal=causal)
+                                       causal=causal, in_range=in_range)
   return over_batch(inner, query, key, value, key_mask)[0]
 
 

@@ -1,35 +1,23 @@
 """Feature maps φ with φ(q)ᵀφ(k) ≈ κ(q, k), all of the form φ = mult · exp(log).
 
-Softmax kernels estimate κ(q, k) = exp(q·k/√d): they work on x = q·d^{-1/4} and
-y = k·d^{-1/4} and estimate exp(x·y). Each public kernel is a :class:`Kernel`
-record (its formula's facts: feature count, whether it estimates softmax,
-whether it needs a projection, which statistic of the data it takes) that is
-called as a pure function
+Softmax kernels estimate κ(q, k) = exp(q·k/√d): they work on x = q·d^{-1/4} and y = k·d^{-1/4} and estimate
+exp(x·y). Each public kernel is a :class:`Kernel` record (its formula's facts: feature count, whether it estimates
+softmax, whether it needs a projection, which statistic of the data it takes) called as a pure function
+``kernel(query, key, projection, *, stabilize=True) -> (query_features, key_features)``, features
+``[..., L, H, F]``. With ``stabilize=False`` they are the raw ones, whose inner product is the estimator; with
+``stabilize=True`` each query row is divided by its largest feature and all keys of one (batch, head) by theirs:
+factors that cancel in normalised attention. ``kernel.log_features`` keeps the exponential part in log domain, so
+that :func:`~favor_jax.core.favor_attention` can choose a stabiliser that never looks at future keys.
 
-    kernel(query, key, projection, *, stabilize=True) -> (query_features, key_features)
-
-with features ``[..., L, H, F]``. With ``stabilize=False`` the features are the
-raw ones, whose inner product is the estimator. With ``stabilize=True`` each
-query row is divided by its largest feature and all keys of one (batch, head)
-by their largest feature: factors that cancel in normalised attention.
-
-Every kernel also exposes ``kernel.log_features``, which keeps the exponential
-part in log domain so that :func:`favor_attention` can choose a stabiliser that
-never looks at future keys (see ``causal_xla.py``). A new kernel is its
-``_log_features`` function and its record below, added to ``KERNELS`` (and
-``__all__``): every attention function, causal method, layer and experiment reads
-its facts from the record, and passes its statistic under the record's
-``statistic`` keyword (the statistics' formulas and checks live in
-:mod:`favor_jax.core.statistics`). The fused Pallas path takes kernels whose features are pure
-exponentials (a log per feature, no multiplier), read off the features themselves.
+A new kernel is its ``_log_features`` function and its record below, added to ``KERNELS`` (and ``__all__``):
+every attention function, causal method, layer and experiment reads its facts from the record and passes its
+statistic under the record's ``statistic`` keyword (formulas and checks: ``favor_jax.core.statistics``). The
+fused Pallas path takes kernels whose features are pure exponentials (a log per feature, no multiplier).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
-from collections.abc import Callable
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -37,6 +25,7 @@ import numpy as np
 from jaxtyping import Array, Float
 
 from favor_jax.core import checks
+from favor_jax.core.records import Kernel, LogFeatures, causal_statistic_error
 from favor_jax.core.statistics import broadcast_rho, check_rho, oprf_rho, saderf_parts, saderf_statistic, scaled
 
 __all__ = [
@@ -44,12 +33,6 @@ __all__ = [
     "oprf_rho", "broadcast_rho", "check_rho", "KERNELS", "Kernel", "get_kernel", "num_features",
     "LogFeatures", "taylor", "hedgehog", "saderf", "saderf_statistic",
 ]
-
-
-class LogFeatures(NamedTuple):
-  """φ = mult · exp(log). ``log``: [..., L, H, F] or [..., L, H, 1] (None: 0); ``mult``: [..., L, H, F] (None: 1)."""
-  log: Array | None
-  mult: Array | None
 
 
 def _project(x_LHD, projection):
@@ -66,71 +49,6 @@ def _rows(projection) -> int:
 
 def _half_sq_norm(x_LHD):
   return 0.5 * jnp.sum(jnp.square(x_LHD), axis=-1, keepdims=True)
-
-
-def materialise(f: LogFeatures, *, stabilize: bool, over_keys: bool) -> Array:
-  """Features as an array; ``stabilize`` divides by the max over features (and over L if ``over_keys``)."""
-  if f.log is None:
-    return f.mult
-  log = f.log
-  if stabilize:
-    axes = (-3, -1) if over_keys else (-1,)
-    log = log - jax.lax.stop_gradient(jnp.max(log, axis=axes, keepdims=True))
-  out = jnp.exp(log)
-  return out if f.mult is None else out * f.mult
-
-
-@dataclasses.dataclass(frozen=True)
-class Kernel:
-  """A feature map and its facts, in one record beside its formula; call it like a function:
-
-      kernel(query, key, projection, *, stabilize=True, **statistic) -> (query_features, key_features)
-  """
-  name: str
-  log_features: Callable  # (query, key, projection, **statistic) -> (LogFeatures, LogFeatures)
-  num_features: Callable[[int | None, int], int]  # F, from M (projection rows; None: no projection), D
-  estimates_softmax: bool  # E[φ(q)ᵀφ(k)] = exp(q·k/√d) exactly
-  needs_projection: bool = True
-  takes_projection: bool = True  # False: its features use none, and one given is refused (not ignored)
-  learned: bool = False  # the projection is a trained parameter (initialised to the identity), not a draw
-  positive_weights: bool = True  # φ(q)ᵀφ(k) > 0 for every q, k (False: a weight can be 0 or negative)
-  # A statistic of the inputs the features depend on: the keyword that passes it (FAVOR++: "rho"), and
-  # the function computing it from (query, key, key_mask, query_mask) over the whole sequence, which causal
-  # attention must not do (it would let later keys shape earlier outputs): causal callers pass it. Masked
-  # and non-finite rows are left out of it (padding must not shape the real rows).
-  statistic: str | None = None
-  compute_statistic: Callable | None = None
-
-  @property
-  def data_dependent(self) -> bool:
-    return self.statistic is not None
-
-  def statistic_shape(self, query_shape) -> tuple[int, ...]:
-    """The shape ``compute_statistic`` gives for queries and keys of ``query_shape`` [..., L, H, D]
-    ([..., H] for FAVOR++'s ρ, [..., H, D+1] for FAVOR#'s)."""
-    one = jax.ShapeDtypeStruct(tuple(query_shape[:-3]) + (1,) + tuple(query_shape[-2:]), jnp.float32)
-    return jax.eval_shape(self.compute_statistic, one, one).shape
-
-  def check_projection_given(self, projection) -> None:
-    """A projection given to a kernel that takes none is refused, not ignored."""
-    if projection is not None and not self.takes_projection:
-      raise ValueError(f"kernel {self.name!r} takes no projection (its features are a fixed function of q "
-                       f"and k), got one of shape {jnp.shape(projection)}: pass None")
-
-  def __call__(self, query, key, projection=None, *, stabilize: bool = True, **statistic):
-    self.check_projection_given(projection)
-    fq, fk = self.log_features(query, key, projection, **statistic)
-    return (materialise(fq, stabilize=stabilize, over_keys=False),
-            materialise(fk, stabilize=stabilize, over_keys=True))
-
-
-def causal_statistic_error(kernel: Kernel, query) -> ValueError:
-  """The error for a data-dependent kernel used causally without its statistic."""
-  need = kernel.statistic_shape(query.shape)
-  return ValueError(
-      f"{kernel.name} takes its statistic {kernel.statistic} from the whole sequence, which in causal "
-      f"attention would let future keys shape past outputs; pass {kernel.statistic}= (shape broadcastable "
-      f"to {need}, e.g. a running average kept by the layer) or use a data-independent kernel")
 
 
 def _checked(query, key, projection):
@@ -192,14 +110,13 @@ def _optimal_positive(query: Float[Array, "... Lq H D"], key: Float[Array, "... 
 
       φ(x) = (1−4A)^{d/4} exp(A‖ω‖² + B ωᵀx − ‖x‖²/2) / √M,   B = √(1−4A),  A < 1/8,
 
-  unbiased for exp(xᵀy) for every such A. A* = (1 − 2ρ − √((2ρ+1)² + 8ρ)) / 16
-  minimises the mean over all (query, key) pairs of log E[(φ(x)ᵀφ(y))²], with
-  ρ = :func:`oprf_rho` (per batch element and head). A* ≤ 0; ρ → 0 gives FAVOR+.
+  unbiased for exp(xᵀy) for every such A. A* = (1 − 2ρ − √((2ρ+1)² + 8ρ)) / 16 minimises the mean over all
+  (query, key) pairs of log E[(φ(x)ᵀφ(y))²], with ρ = :func:`oprf_rho` (per batch element and head). A* ≤ 0;
+  ρ → 0 gives FAVOR+.
 
-  ρ is computed from the whole sequence unless given. Causal attention must not
-  look ahead, so ``causal=True`` requires ``rho`` from the caller (e.g. a
-  running average kept by the layer). ρ is held constant under ``grad``: A only
-  picks the estimator's variance, and E[∇ estimate] is the true gradient at any A.
+  ρ is computed from the whole sequence unless given. Causal attention must not look ahead, so ``causal=True``
+  requires ``rho`` from the caller (e.g. a running average kept by the layer). ρ is held constant under
+  ``grad``: A only picks the estimator's variance, and E[∇ estimate] is the true gradient at any A.
   """
   x, y = _checked(query, key, projection)
   if rho is None:
@@ -208,7 +125,8 @@ def _optimal_positive(query: Float[Array, "... Lq H D"], key: Float[Array, "... 
     rho = oprf_rho(query, key, key_mask)
   rho = jax.lax.stop_gradient(check_rho(rho, query))
   d = x.shape[-1]
-  a = (1.0 - 2.0 * rho - jnp.sqrt(jnp.square(2.0 * rho + 1.0) + 8.0 * rho)) / 16.0
+  r = 2.0 * rho + 1.0  # √((2ρ+1)² + 8ρ) as r·√(1 + 8ρ/r²): finite for any finite ρ (A ≈ −ρ/4 for large ρ)
+  a = (1.0 - 2.0 * rho - r * jnp.sqrt(1.0 + 8.0 * rho / jnp.square(r))) / 16.0
   a = jnp.where(rho >= 0, a, jnp.nan)  # a traced invalid ρ (NaN, < 0) gives NaN outputs, never zeros
   a_1H1 = a[..., None, :, None]
   b_1H1 = jnp.sqrt(1.0 - 4.0 * a_1H1)
@@ -257,27 +175,43 @@ def _taylor(query: Float[Array, "... Lq H D"], key: Float[Array, "... Lk H D"],
 
       φ(x) = [1, x, x_i²/√2 (i), x_i x_j (i < j)],   φ(x)ᵀφ(y) = 1 + xᵀy + (xᵀy)²/2  exactly,
 
-  1 + D + D(D+1)/2 features (the symmetric half of x⊗x). With a ``projection`` P
-  ([M, D] or [H, M, D]) x is first mapped to P x and the identity holds for the
-  mapped vectors (1 + M + M(M+1)/2 features). Not an unbiased softmax estimator
-  (a truncation), but 1 + t + t²/2 = ((1 + t)² + 1)/2 ≥ 1/2 for every t, so every
-  weight and denominator is positive: no sign cancellation as with trigonometric
-  features.
+  1 + D + D(D+1)/2 features (the symmetric half of x⊗x). With a ``projection`` P ([M, D] or [H, M, D]) x is
+  first mapped to P x and the identity holds for the mapped vectors (1 + M + M(M+1)/2 features). Not an
+  unbiased softmax estimator (a truncation), but 1 + t + t²/2 = ((1 + t)² + 1)/2 ≥ 1/2 for every t, so every
+  weight and denominator is positive: no sign cancellation as with trigonometric features.
   """
   checks.check_qk(query, key)
   if projection is not None:
     checks.check_projection(projection, query.shape[-1], query.shape[-2])
 
   def feats(z):
-    z = scaled(z)
-    if projection is not None:
-      z = _project(z, projection)
+    z = _taylor_inputs(z, projection)
     i, j = np.triu_indices(z.shape[-1])
     weight = np.where(i == j, math.sqrt(0.5), 1.0).astype(np.float32)
     ones = jnp.ones(z.shape[:-1] + (1,), jnp.float32)
     return LogFeatures(None, jnp.concatenate([ones, z, z[..., i] * z[..., j] * weight], axis=-1))
 
   return feats(query), feats(key)
+
+
+def _taylor_inputs(z, projection):
+  """x = z·d^{-1/4}, mapped to P x by a ``projection`` P if one is given."""
+  z = scaled(z)
+  return z if projection is None else _project(z, projection)
+
+
+def _taylor_log_pairs(query: Float[Array, "... Lq H D"], key: Float[Array, "... Lk H D"],
+                      projection: Float[Array, "M D"] | Float[Array, "H M D"] | None = None):
+  """log φ(qᵢ)ᵀφ(kⱼ) = log(1 + t + t²/2) = log(((1 + t)² + 1)/2), t = xᵢᵀyⱼ, in closed form [..., H, Lq, Lk].
+
+  The sum over features has terms up to t²/2 for a value ≥ 1/2 (at t = −1): in float32 it loses
+  the small weights (3e-3 relative at inputs ×20). Here the error is that of t alone. u = 1 + t is
+  scaled by max(|u|, 1) so that no finite t overflows.
+  """
+  x, y = _taylor_inputs(query, projection), _taylor_inputs(key, projection)
+  u = 1.0 + jnp.einsum("...qhd,...khd->...hqk", x, y)
+  big = jnp.maximum(jnp.abs(u), 1.0)
+  return 2.0 * jnp.log(big) + jnp.log(0.5 * (jnp.square(u / big) + jnp.square(1.0 / big)))
 
 
 def _taylor_features(m, d):
@@ -317,7 +251,8 @@ optimal_positive = Kernel("optimal_positive", _optimal_positive, lambda m, d: m,
 relu = Kernel("relu", _relu, lambda m, d: m, estimates_softmax=False, positive_weights=False)
 elu_plus_one = Kernel("elu_plus_one", _elu_plus_one, lambda m, d: d, estimates_softmax=False,
                       needs_projection=False, takes_projection=False)
-taylor = Kernel("taylor", _taylor, _taylor_features, estimates_softmax=False, needs_projection=False)
+taylor = Kernel("taylor", _taylor, _taylor_features, estimates_softmax=False, needs_projection=False,
+                log_pairs=_taylor_log_pairs)
 hedgehog = Kernel("hedgehog", _hedgehog, lambda m, d: 2 * m, estimates_softmax=False, learned=True)
 
 
@@ -329,14 +264,12 @@ def _saderf(query: Float[Array, "... Lq H D"], key: Float[Array, "... Lk H D"],
 
       φ(x) = φ_A(Ψx),  ψ(y) = φ_A(Ψ⁻¹y),  φ_A(z) = (1−4A)^{d/4} exp(A‖ω‖² + √(1−4A) ωᵀz − ‖z‖²/2) / √M,
 
-  unbiased for exp(xᵀy) for every such Ψ and A < 1/8, as (Ψx)ᵀ(Ψ⁻¹y) = xᵀy and φ_A
-  is FAVOR++'s (:func:`_optimal_positive`). The mean over all pairs of
-  log E[(φ(x)ᵀψ(y))²] is, up to terms free of Ψ, (‖Ψx‖² + ‖Ψ⁻¹y‖²)/(1−8A) averaged,
-  so its minimiser Ψ does not depend on A; A is then FAVOR++'s A* for the rescaled
-  pairs. Both come from ``rho`` = :func:`saderf_statistic` ([..., H, D+1]: log Ψ,
-  then ρ), computed from the whole sequence unless given; ``causal=True``
-  requires it from the caller. Ψ = I gives FAVOR++. The statistic is held
-  constant under ``grad``: any Ψ and A give an unbiased estimator.
+  unbiased for exp(xᵀy) for every such Ψ and A < 1/8, as (Ψx)ᵀ(Ψ⁻¹y) = xᵀy and φ_A is FAVOR++'s
+  (:func:`_optimal_positive`). The mean over all pairs of log E[(φ(x)ᵀψ(y))²] is, up to terms free of Ψ,
+  (‖Ψx‖² + ‖Ψ⁻¹y‖²)/(1−8A) averaged, so its minimiser Ψ does not depend on A; A is then FAVOR++'s A* for the
+  rescaled pairs. Both come from ``rho`` = :func:`saderf_statistic` ([..., H, D+1]: log Ψ, then ρ), computed
+  from the whole sequence unless given; ``causal=True`` requires it from the caller. Ψ = I gives FAVOR++. The
+  statistic is held constant under ``grad``: any Ψ and A give an unbiased estimator.
   """
   checks.check_qk(query, key)
   if rho is None:
@@ -362,7 +295,17 @@ def data_dependent_names() -> list[str]:
 
 
 def get_kernel(kernel):
-  """A kernel by name (one of ``KERNELS``) or a callable returned unchanged."""
+  """Looks up a kernel by name; a callable is returned unchanged.
+
+  Args:
+    kernel: a name in ``KERNELS`` or a callable (a :class:`Kernel` or a function with its signature).
+
+  Returns:
+    The :class:`Kernel` of that name, or ``kernel`` itself.
+
+  Raises:
+    ValueError: if ``kernel`` is neither callable nor a name in ``KERNELS``.
+  """
   if callable(kernel):
     return kernel
   if not isinstance(kernel, str) or kernel not in KERNELS:
@@ -371,6 +314,17 @@ def get_kernel(kernel):
 
 
 def num_features(kernel, num_projections: int | None, head_dim: int) -> int:
-  """F, the feature count ``kernel`` (a name or a :class:`Kernel`) produces from an [M, D] projection
-  (``num_projections`` = M; None: called without a projection)."""
+  """Computes F, the features per head ``kernel`` produces (M for ``positive``, 2M for ``hyperbolic``).
+
+  Args:
+    kernel: a name in ``KERNELS`` or a :class:`Kernel`.
+    num_projections: M, the projection's rows (None: without a projection).
+    head_dim: D, the head dim of query and key.
+
+  Returns:
+    F, an int.
+
+  Raises:
+    ValueError: if ``kernel`` is an unknown name.
+  """
   return get_kernel(kernel).num_features(num_projections, head_dim)

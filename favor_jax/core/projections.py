@@ -1,4 +1,4 @@
-"""Random projections ω ∈ R^{M×D} for random-feature attention.
+"""Random projections ω ∈ R^{M×D} for random-feature attention: iid, orthogonal, simplex, and their registry.
 
 Every projection here has rows whose *marginal* law is N(0, I_D) (except
 ``orthogonal_projection(norms="fixed")``), which is what makes the exponential
@@ -48,7 +48,24 @@ def _chi_norms(key: PRNGKeyArray, num_features: int, dim: int) -> Float[Array, "
 def iid_gaussian_projection(
     key: PRNGKeyArray, num_features: int, dim: int, dtype=jnp.float32
 ) -> Float[Array, "M D"]:
-  """Rows ω_i ~ N(0, I_D), independent (Choromanski et al. 2021, Performer)."""
+  """Draws an [M, D] projection with independent rows ω_i ~ N(0, I_D).
+
+  Args:
+    key: PRNG key.
+    num_features: M, the number of rows (random features per head).
+    dim: D, the head dim of query and key.
+    dtype: dtype of the result (drawn in float32, then cast).
+
+  Returns:
+    The projection ω, shape [M, D].
+
+  Raises:
+    TypeError: if ``num_features`` or ``dim`` is not an int (a bool is refused).
+    ValueError: if ``num_features`` or ``dim`` is not positive.
+
+  References:
+    Choromanski et al. 2021, "Rethinking Attention with Performers" (ICLR).
+  """
   _check_sizes(num_features, dim)
   return jax.random.normal(key, (num_features, dim), jnp.float32).astype(dtype)
 
@@ -56,13 +73,34 @@ def iid_gaussian_projection(
 def orthogonal_projection(
     key: PRNGKeyArray, num_features: int, dim: int, *, norms: str = "chi", dtype=jnp.float32
 ) -> Float[Array, "M D"]:
-  """Orthogonal random features (Yu et al. 2016; Performer's "OR" in FAVOR+).
+  """Draws an [M, D] projection of orthogonal random features (ORF, the "OR" of FAVOR+).
 
   Rows come in blocks of D exactly orthogonal, Haar-uniform directions
-  (independent blocks; the last one truncated). ``norms="chi"`` scales each
-  row by an independent χ_D norm, so every row is marginally N(0, I_D) and the
-  exponential kernels stay unbiased. ``norms="fixed"`` sets every norm to √D:
-  lower variance in practice, but *biased* for the exponential kernels.
+  (independent blocks; the last one truncated; Haar via sign-corrected QR,
+  Mezzadri 2007). ``norms="chi"`` scales each row by an independent χ_D norm,
+  so every row is marginally N(0, I_D) and the exponential kernels stay
+  unbiased. ``norms="fixed"`` sets every norm to √D: lower variance in
+  practice, but *biased* for the exponential kernels.
+
+  Args:
+    key: PRNG key.
+    num_features: M, the number of rows (random features per head).
+    dim: D, the head dim of query and key.
+    norms: ``"chi"`` (independent χ_D row norms: unbiased) or ``"fixed"``
+      (every norm √D: biased for the exponential kernels).
+    dtype: dtype of the result (drawn in float32, then cast).
+
+  Returns:
+    The projection ω, shape [M, D].
+
+  Raises:
+    TypeError: if ``num_features`` or ``dim`` is not an int (a bool is refused).
+    ValueError: if ``num_features`` or ``dim`` is not positive, or ``norms`` is
+      neither ``"chi"`` nor ``"fixed"``.
+
+  References:
+    Yu et al. 2016, "Orthogonal Random Features" (NeurIPS).
+    Choromanski et al. 2021, "Rethinking Attention with Performers" (ICLR).
   """
   _check_sizes(num_features, dim)
   if norms not in ("chi", "fixed"):
@@ -80,12 +118,28 @@ def orthogonal_projection(
 def simplex_projection(
     key: PRNGKeyArray, num_features: int, dim: int, dtype=jnp.float32
 ) -> Float[Array, "M D"]:
-  """Simplex random features (Reid et al. 2023, "Simplex Random Features").
+  """Draws an [M, D] projection of simplex random features.
 
   In each block of D rows the unit directions are the D vertices of a regular
   simplex centred at the origin (pairwise cosine −1/(D−1)), turned by an
   independent Haar rotation, then scaled by independent χ_D norms. Each row is
   marginally N(0, I_D), so the exponential kernels stay unbiased.
+
+  Args:
+    key: PRNG key.
+    num_features: M, the number of rows (random features per head).
+    dim: D, the head dim of query and key (at least 2).
+    dtype: dtype of the result (drawn in float32, then cast).
+
+  Returns:
+    The projection ω, shape [M, D].
+
+  Raises:
+    TypeError: if ``num_features`` or ``dim`` is not an int (a bool is refused).
+    ValueError: if ``num_features`` or ``dim`` is not positive, or ``dim < 2``.
+
+  References:
+    Reid et al. 2023, "Simplex Random Features" (ICML).
   """
   _check_sizes(num_features, dim)
   if dim < 2:
@@ -110,13 +164,48 @@ PROJECTIONS = {
 
 
 def draw_projection(key: PRNGKeyArray, kind: str, num_features: int, dim: int) -> Float[Array, "M D"]:
-  """A fresh [M, D] projection of ``kind``, a name in ``PROJECTIONS``."""
+  """Draws a fresh [M, D] projection of the kind named ``kind``.
+
+  Args:
+    key: PRNG key.
+    kind: a name in ``PROJECTIONS``: ``"iid"``, ``"orthogonal"`` or ``"simplex"``.
+    num_features: M, the number of rows.
+    dim: D, the head dim of query and key.
+
+  Returns:
+    The projection ω, shape [M, D], float32.
+
+  Raises:
+    ValueError: if ``kind`` is not in ``PROJECTIONS``, or the sizes are invalid
+      (as the projection function raises).
+    TypeError: if ``num_features`` or ``dim`` is not an int.
+  """
   if kind not in PROJECTIONS:
     raise ValueError(f"projection must be one of {tuple(PROJECTIONS)}, got {kind!r}")
   return PROJECTIONS[kind](key, num_features, dim)
 
 
 def draw_projection_by_index(key: PRNGKeyArray, kind_index, num_features: int, dim: int) -> Float[Array, "M D"]:
-  """As :func:`draw_projection`, with the kind a (possibly traced) index into ``tuple(PROJECTIONS)``."""
+  """Draws a projection as :func:`draw_projection` does, its kind given by a (possibly traced) index.
+
+  The branch is chosen with ``jax.lax.switch``, so a layer can keep the kind as
+  an integer in its state and redraw inside ``jit``.
+
+  Args:
+    key: PRNG key.
+    kind_index: int or int32 scalar array, an index into ``tuple(PROJECTIONS)``
+      (0 ``"iid"``, 1 ``"orthogonal"``, 2 ``"simplex"``); ``lax.switch`` clamps
+      an index out of range.
+    num_features: M, the number of rows.
+    dim: D, the head dim of query and key.
+
+  Returns:
+    The projection ω, shape [M, D], float32.
+
+  Raises:
+    TypeError: if ``num_features`` or ``dim`` is not an int.
+    ValueError: if ``num_features`` or ``dim`` is not positive (or ``dim < 2``
+      where the simplex branch is traced).
+  """
   branches = [lambda k, draw=draw: draw(k, num_features, dim) for draw in PROJECTIONS.values()]
   return jax.lax.switch(kind_index, branches, key)

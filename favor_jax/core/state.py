@@ -83,7 +83,16 @@ def with_ones(v):
 
 
 class RecurrentState(NamedTuple):
-  """Constant-size causal state: S_f = Σ_{j<t} e^{log φ(k_j)_f − μ_f}[v_j, 1], μ the running max."""
+  """Constant-size causal state of the keys seen so far, in log domain.
+
+  S_f = Σ_{j<t} e^{log φ(k_j)_f − μ_f}[v_j, 1], μ the running per-feature maximum of log φ(k_j). Inside the
+  algorithms the batch dims are flattened into N; :func:`~favor_jax.core.favor_decode_init` and
+  :func:`~favor_jax.core.favor_decode_step` give and take it with the batch dims ``...`` instead.
+
+  Attributes:
+    mu: μ, float32 [N, H, Fm] (Fm: F, or 1 for a kernel with one log per row).
+    s: S, float32 [N, H, F, Dv+1] (the last column: the denominator's sums).
+  """
   mu: Array  # [N, H, Fm]
   s: Array  # [N, H, F, Dv+1]
 

@@ -1,4 +1,4 @@
-"""The statistics of the data-dependent kernels (FAVOR++, FAVOR#): their formulas and their checks.
+"""Statistics of the data-dependent kernels (FAVOR++, FAVOR#): their formulas and their checks.
 
 A data-dependent kernel's features depend on a statistic of the queries and keys
 (:class:`~favor_jax.core.kernels.Kernel` ``statistic``/``compute_statistic``): FAVOR++'s ρ
@@ -16,7 +16,7 @@ from jaxtyping import Array, Bool, Float
 
 from favor_jax.core import checks
 
-__all__ = ["oprf_rho", "saderf_statistic", "broadcast_rho", "check_rho"]
+__all__ = ["oprf_rho", "saderf_statistic", "broadcast_rho", "check_rho", "MAX_SQ_NORM", "in_range", "CLIP"]
 
 
 def scaled(x):
@@ -24,11 +24,37 @@ def scaled(x):
   return x.astype(jnp.float32) * x.shape[-1] ** -0.25
 
 
+# Every kernel's range: the query and key rows whose x = q·d^{-1/4} has ‖x‖² ≤ MAX_SQ_NORM (entries up to
+# ~1.1e18·d^{1/4}/√d). Inside it, every term of every kernel's formula and of the statistics (means of ‖x‖²
+# over the sequence, FAVOR++'s A ≈ −ρ/4) is a float32 number, so the attention is the formula rounded to
+# float32: each log-domain term to ~eps·‖x‖², never a row lost below the float range. Beyond it (‖x‖²
+# overflows at 2^128: exp(−‖x‖²/2) = 0 for every feature, a silent zero row) a row counts as non-finite:
+# NaN in the rows that depend on it (``inputs.split_nonfinite``), left out of the statistics.
+MAX_SQ_NORM = 2.0 ** 120
+
+
+def _within(x_LHD):
+  """Per row [..., L, H]: x (already scaled) is finite with ‖x‖² ≤ MAX_SQ_NORM (False for NaN)."""
+  return jnp.sum(jnp.square(x_LHD), axis=-1) <= MAX_SQ_NORM
+
+
+def in_range(z: Float[Array, "... L H D"]) -> Bool[Array, "... L H"]:
+  """Whether each query or key row is inside every kernel's range (finite, ‖z·d^{-1/4}‖² ≤ MAX_SQ_NORM).
+
+  Args:
+    z: queries or keys [..., L, H, D].
+
+  Returns:
+    [..., L, H] bool, False for a row with a non-finite entry or a squared norm beyond the range.
+  """
+  return _within(scaled(z))
+
+
 def _query_rows(x_LHD, query_mask):
   """(x with the queries left out zeroed, the count kept per head [..., H]): a mean over queries is a sum
-  divided by it. Left out: those of ``query_mask`` False (padding), and those non-finite in a head (a NaN
-  query is NaN in its own row only, never in the statistic of the others)."""
-  keep = jnp.all(jnp.isfinite(x_LHD), axis=-1)
+  divided by it. Left out: those of ``query_mask`` False (padding), and those non-finite or beyond the range
+  (``MAX_SQ_NORM``) in a head (such a query is NaN in its own row only, never in the statistic of the others)."""
+  keep = _within(x_LHD)
   if query_mask is not None:
     keep = keep & jnp.broadcast_to(query_mask, x_LHD.shape[:-2])[..., None]
   count = jnp.maximum(jnp.sum(keep.astype(jnp.float32), axis=-2), 1.0)
@@ -37,43 +63,99 @@ def _query_rows(x_LHD, query_mask):
 
 def _key_weights(y_LHD, key_mask):
   """(y with masked and non-finite keys zeroed, per key 1/(unmasked keys) or 0 if masked: [..., Lk]): a mean
-  over keys is a contraction with the weights. A non-finite unmasked key is seen by every row (NaN there)."""
+  over keys is a contraction with the weights. A non-finite unmasked key (or one beyond the range) is left out:
+  it is seen by every row (NaN there)."""
   w = jnp.ones(y_LHD.shape[:-2], jnp.float32)
   if key_mask is not None:
     w = jnp.broadcast_to(key_mask, y_LHD.shape[:-2]).astype(jnp.float32)
-  keep = (w > 0)[..., None, None] & jnp.isfinite(y_LHD)
-  return jnp.where(keep, y_LHD, 0.0), w / jnp.maximum(jnp.sum(w, axis=-1, keepdims=True), 1.0)
+  keep = (w > 0)[..., None] & _within(y_LHD)
+  return jnp.where(keep[..., None], y_LHD, 0.0), w / jnp.maximum(jnp.sum(w, axis=-1, keepdims=True), 1.0)
 
 
 def oprf_rho(query: Float[Array, "... Lq H D"], key: Float[Array, "... Lk H D"],
              key_mask: Bool[Array, "... Lk"] | None = None,
              query_mask: Bool[Array, "... Lq"] | None = None) -> Float[Array, "... H"]:
-  """FAVOR++ statistic ρ = mean_{i,j} ‖xᵢ + yⱼ‖² / d, per batch element and head.
+  """Computes FAVOR++'s statistic ρ = mean_{i,j} ‖xᵢ + yⱼ‖² / d, per batch element and head.
 
-  x = q·d^{-1/4}, y = k·d^{-1/4}; masked keys, masked queries (``query_mask``:
-  padding) and non-finite rows are left out. The mean over all pairs is
-  ‖x‖²‾ + ‖y‖²‾ + 2·x̄ᵀȳ, so it costs O(L·d).
+  x = q·d^{-1/4}, y = k·d^{-1/4}. The mean over all pairs is
+  ‖x‖²‾ + ‖y‖²‾ + 2·x̄ᵀȳ, so it costs O(L·d). Masked keys, masked queries and
+  non-finite rows are left out (a NaN query row does not reach the others'
+  statistic; a non-finite unmasked key makes it NaN).
+
+  Args:
+    query: queries, shape [..., Lq, H, D].
+    key: keys, shape [..., Lk, H, D].
+    key_mask: optional bool [..., Lk] (broadcastable); False leaves a key out.
+    query_mask: optional bool [..., Lq] (broadcastable); False leaves a query
+      out (padding).
+
+  Returns:
+    ρ ≥ 0, float32, shape [..., H].
+
+  Raises:
+    ValueError: if query and key disagree in batch dims, heads or head dim, or
+      a mask does not broadcast to its length.
+    TypeError: if an input is not a floating array or a mask is not bool (as
+      the shared input checks raise).
+
+  References:
+    Likhosherstov et al. 2022, "Chefs' Random Tables: Non-Trigonometric Random
+    Features" (NeurIPS).
   """
   x, count_H, y, w_L = _statistic_inputs(query, key, key_mask, query_mask)
-  x_sq = jnp.sum(jnp.sum(x * x, -1), axis=-2) / count_H  # [..., H]
+  x_sq = jnp.sum(jnp.sum(x * x, -1) / count_H[..., None, :], axis=-2)  # [..., H]; divided first: no overflow
   x_bar = jnp.sum(x, axis=-3) / count_H[..., None]  # [..., H, D]
   y_sq = jnp.einsum("...l,...lh->...h", w_L, jnp.sum(y * y, -1))
   y_bar = jnp.einsum("...l,...lhd->...hd", w_L, y)
   return jnp.maximum(x_sq + y_sq + 2 * jnp.sum(x_bar * y_bar, -1), 0.0) / x.shape[-1]  # ≥ 0 but for rounding
 
 
-def _statistic_inputs(query, key, key_mask, query_mask):
+def _statistic_inputs(query, key, key_mask, query_mask, clip=False):
   """x = q·d^{-1/4} with its count of kept queries (``_query_rows``), y = k·d^{-1/4} with its keys'
-  weights (``_key_weights``); inputs checked."""
+  weights (``_key_weights``); inputs checked. ``clip``: both winsorised (``_winsorised``)."""
   checks.check_qk(query, key)
   checks.check_lengths(query, key)
   checks.check_key_mask(key_mask, key.shape)
   checks.check_key_mask(query_mask, query.shape, "query_mask")
-  return (*_query_rows(scaled(query), query_mask), *_key_weights(scaled(key), key_mask))
+  x, y = scaled(query), scaled(key)
+  if clip:
+    x, y = _winsorised(x, query_mask), _winsorised(y, key_mask)
+  return (*_query_rows(x, query_mask), *_key_weights(y, key_mask))
+
+
+# FAVOR#'s moments are taken of values winsorised at ±√(CLIP · c_l) per coordinate, c_l the larger of the
+# median of x_l² and the median of ‖x‖²/d over the kept rows: one token adds at most CLIP·c_l/n to a mean of
+# n rows, whatever its size. For Gaussian rows the cap is |x_l| > 5.4σ (probability 7e-8): ordinary data
+# are unchanged.
+CLIP = 64.0
+
+
+def _winsorised(x_LHD, row_mask):
+  """x with each coordinate clipped to ±√(CLIP · c_l) (per batch element, head and coordinate; see ``CLIP``),
+  c_l from the rows in range and of ``row_mask`` (None: all) only; the other rows are returned as they are."""
+  keep = _within(x_LHD)
+  if row_mask is not None:
+    keep = keep & jnp.broadcast_to(row_mask, x_LHD.shape[:-2])[..., None]
+  sq = jnp.where(keep[..., None], jnp.square(x_LHD), jnp.nan)
+  per_coordinate = jnp.nanmedian(sq, axis=-3, keepdims=True)
+  per_row = jnp.nanmedian(jnp.sum(sq, -1, keepdims=True), axis=-3, keepdims=True) / x_LHD.shape[-1]
+  cap = jnp.sqrt(CLIP * jnp.fmax(per_coordinate, per_row))  # NaN where no row is kept: nothing to clip
+  return jnp.where(keep[..., None], jnp.clip(x_LHD, -cap, cap), x_LHD)
 
 
 def broadcast_rho(rho, query) -> Float[Array, "... H"]:
-  """ρ as float32 broadcast to query's [..., H] (batch dims and heads), or a clear error."""
+  """Broadcasts a ρ to query's batch dims and heads.
+
+  Args:
+    rho: FAVOR++'s statistic, any shape broadcastable to [..., H].
+    query: queries, shape [..., L, H, D] (only its shape is read).
+
+  Returns:
+    ρ as float32, shape [..., H].
+
+  Raises:
+    ValueError: if ``rho`` does not broadcast to [..., H].
+  """
   batch_heads = query.shape[:-3] + query.shape[-2:-1]
   rho = jnp.asarray(rho, jnp.float32)
   try:
@@ -83,7 +165,22 @@ def broadcast_rho(rho, query) -> Float[Array, "... H"]:
 
 
 def check_rho(rho, query) -> Float[Array, "... H"]:
-  """ρ broadcast to [..., H]; a concrete ρ must be finite and ≥ 0 (it is a mean of ‖x + y‖²/d)."""
+  """Checks a ρ and broadcasts it to [..., H], as :func:`broadcast_rho` does.
+
+  A concrete ρ must be finite and ≥ 0 (it is a mean of ‖x + y‖²/d); a traced one
+  is not checked here (the kernel turns an invalid traced ρ into NaN outputs).
+
+  Args:
+    rho: FAVOR++'s statistic, broadcastable to [..., H].
+    query: queries, shape [..., L, H, D] (only its shape is read).
+
+  Returns:
+    ρ as float32, shape [..., H].
+
+  Raises:
+    ValueError: if a concrete ``rho`` has a non-finite or negative value, or
+      does not broadcast to [..., H].
+  """
   if not isinstance(rho, jax.core.Tracer):
     values = np.asarray(rho, np.float32)
     bad = ~(np.isfinite(values) & (values >= 0))
@@ -96,7 +193,7 @@ def check_rho(rho, query) -> Float[Array, "... H"]:
 def saderf_statistic(query: Float[Array, "... Lq H D"], key: Float[Array, "... Lk H D"],
                      key_mask: Bool[Array, "... Lk"] | None = None,
                      query_mask: Bool[Array, "... Lq"] | None = None) -> Float[Array, "... H D+1"]:
-  """FAVOR#'s statistic per batch element and head: [log Ψ₁, …, log Ψ_D, ρ], O(L·d).
+  """Computes FAVOR#'s statistic [log Ψ₁, …, log Ψ_D, ρ] per batch element and head, in O(L·d).
 
   Ψ = diag(Ψ_l) minimises the mean over all (query, key) pairs of ‖Ψx + Ψ⁻¹y‖²
   = Σ_l (Ψ_l² m_l^x + Ψ_l⁻² m_l^y) + 2·x̄ᵀȳ, with m^x = mean_i x_i², m^y = mean_j y_j²
@@ -105,9 +202,37 @@ def saderf_statistic(query: Float[Array, "... Lq H D"], key: Float[Array, "... L
   y = k·d^{-1/4}; masked keys, masked queries (``query_mask``: padding) and
   non-finite rows are left out. A coordinate that is (nearly) zero in all
   queries or all keys gets a bounded Ψ_l (every Ψ > 0 is unbiased).
+
+  The means are taken of winsorised values (each coordinate clipped at ±√(CLIP·c_l), c_l the larger of
+  the median x_l² and the median ‖x‖²/d, ``CLIP`` = 64), so that one token cannot set Ψ and ρ for all: it
+  adds at most CLIP·c_l/n to a mean over n rows (log Ψ_l moves by at most ¼·log(1 + CLIP·c_l/S_l), S_l the
+  sum of x_l² over the other rows). Data with no value beyond the cap (Gaussian rows: |x_l| > 5.4σ,
+  probability 7e-8) get the paper's statistic unchanged; any Ψ > 0 and A < 1/8 keep the estimator
+  unbiased, so the clip changes its variance only.
+
+  Args:
+    query: queries, shape [..., Lq, H, D].
+    key: keys, shape [..., Lk, H, D].
+    key_mask: optional bool [..., Lk] (broadcastable); False leaves a key out.
+    query_mask: optional bool [..., Lq] (broadcastable); False leaves a query
+      out (padding).
+
+  Returns:
+    float32 [..., H, D+1]: log Ψ in the first D entries, ρ ≥ 0 in the last. Pass
+    it as ``rho=`` with ``kernel="saderf"``.
+
+  Raises:
+    ValueError: if query and key disagree in batch dims, heads or head dim, or
+      a mask does not broadcast to its length.
+    TypeError: if an input is not a floating array or a mask is not bool (as
+      the shared input checks raise).
+
+  References:
+    Likhosherstov et al. 2023, "Dense-Exponential Random Features: Sharp
+    Positive Estimators of the Gaussian Kernel" (NeurIPS; FAVOR#).
   """
-  x, count_H, y, w_L = _statistic_inputs(query, key, key_mask, query_mask)
-  mx, x_bar = (jnp.sum(z, axis=-3) / count_H[..., None] for z in (x * x, x))  # [..., H, D]
+  x, count_H, y, w_L = _statistic_inputs(query, key, key_mask, query_mask, clip=True)
+  mx, x_bar = (jnp.sum(z / count_H[..., None, :, None], axis=-3) for z in (x * x, x))  # [..., H, D]
   my, y_bar = jnp.einsum("...l,...lhd->...hd", w_L, y * y), jnp.einsum("...l,...lhd->...hd", w_L, y)
   floor = 1e-8 * jnp.mean(mx + my, axis=-1, keepdims=True) + 1e-30
   log_psi = 0.25 * (jnp.log(my + floor) - jnp.log(mx + floor))

@@ -15,6 +15,7 @@ from jaxtyping import Array, Bool, Float
 
 from favor_jax.core import checks, inputs
 from favor_jax.core import features as features_lib
+from favor_jax.core import kernels as kernels_lib
 from favor_jax.core import state as state_lib
 
 __all__ = ["attention_weights"]
@@ -60,21 +61,36 @@ def attention_weights(
     query_mask: Bool[Array, "... Lq"] | None = None,
     log: bool = False,
 ) -> Float[Array, "... H Lq Lk"]:
-  """The normalised weights A [..., H, Lq, Lk] with out = A v, as the attention functions compute them.
+  """Computes the normalised weights A [..., H, Lq, Lk] with out = A v, as the attention functions do.
 
-  ``kernel="softmax"``: softmax(q kᵀ/√d) (:func:`softmax_attention`). Otherwise
-  the weights φ(q_i)ᵀφ(k_j) / Σ_j φ(q_i)ᵀφ(k_j) of a feature map (a name from
-  ``KERNELS`` or a callable, as in :func:`favor_attention`); with ``window > 0``
-  the keys within the window get the exact exp(q·k/√d) instead
-  (:func:`hybrid_attention`). Rows sum to 1 over the keys they may see (j ≤ t if
-  ``causal``, unmasked); a row that sees none is 0. Computed in log domain, so
-  a weight is as exact as float32 holds it however far apart its row's terms
-  are (one below float32's range is 0; ``log=True`` keeps its log).
-  ``rho`` and ``query_mask`` (the queries a data-dependent kernel's statistic
-  averages over) are as in :func:`favor_attention`. ``log=True``: log A, normalised
-  in log domain, so a weight below float32's range keeps its log (−inf where A
-  is 0); for weights that are never negative (a kernel whose record says
-  ``positive_weights``; a row with a negative weight is NaN).
+  ``kernel="softmax"``: softmax(q kᵀ/√d) (:func:`softmax_attention`). Otherwise the weights
+  φ(q_i)ᵀφ(k_j) / Σ_j φ(q_i)ᵀφ(k_j) of a feature map (as in :func:`favor_attention`); with ``window > 0``
+  the keys within the window get the exact exp(q·k/√d) instead (:func:`hybrid_attention`). Rows sum to 1
+  over the keys they may see (j ≤ t if ``causal``, unmasked); a row that sees none is 0. Computed in log
+  domain, so a weight is as exact as float32 holds it however far apart its row's terms are (one below
+  float32's range is 0; ``log=True`` keeps its log). Quadratic in L: for analysis, not a forward pass.
+
+  Args:
+    query: queries, shape [..., Lq, H, D].
+    key: keys, shape [..., Lk, H, D].
+    projection: ω, [M, D] or [H, M, D]; None for ``"softmax"`` or a kernel that takes none.
+    kernel: ``"softmax"``, a name in ``KERNELS``, a :class:`~favor_jax.core.kernels.Kernel`, or a callable.
+    causal: whether query t sees only keys j ≤ t (needs Lq = Lk).
+    key_mask: optional bool [..., Lk]; False leaves a key out (weight 0, whatever it holds).
+    window: W ≥ 0, the exact window of :func:`hybrid_attention` (0: none; needs Lq = Lk).
+    rho: a data-dependent kernel's statistic, as in :func:`favor_attention`.
+    query_mask: optional bool [..., Lq], the queries a data-dependent kernel's statistic averages over.
+    log: return log A, normalised in log domain (−inf where A is 0), for weights that are never negative
+      (a kernel whose record says ``positive_weights``; a row with a negative weight is NaN).
+
+  Returns:
+    A (or log A), float32, shape [..., H, Lq, Lk].
+
+  Raises:
+    TypeError: if ``causal`` or ``log`` is not a bool, an input is not a floating array or a mask not bool.
+    ValueError: if shapes disagree, a length is 0, ``causal`` or ``window`` with Lq ≠ Lk, ``window`` is not
+      an int ≥ 0, ``kernel="softmax"`` gets a projection or ``rho``, or as :func:`favor_attention` raises
+      for the kernel and ``rho``.
   """
   checks.check_bool("causal", causal)
   checks.check_bool("log", log)
@@ -88,19 +104,29 @@ def attention_weights(
   batch = query.shape[:-3]
   mask = inputs.mask_NL(key_mask, key)
   q, k = (inputs.flatten(x, batch).astype(jnp.float32) for x in (query, key))
-  k = jnp.where(mask[:, :, None, None], k, 0.0)  # masked keys are ignored whatever they hold (NaN included)
+  # The rule of every attention function: non-finite inputs (and, for a kernel, rows beyond its range) out,
+  # masked keys zeroed whatever they hold, NaN in the rows that depend on one (bad [N, Lq, H]); the weights
+  # have no value, so an empty one.
+  softmax = isinstance(kernel, str) and kernel == "softmax"
+  q, k, _, bad, _ = inputs.split_nonfinite(q, k, jnp.zeros(k.shape[:-1] + (0,), k.dtype), mask, causal=causal,
+                                           in_range=not softmax)
   lq, lk = q.shape[1], k.shape[1]
   gap = jnp.arange(lq)[:, None] - jnp.arange(lk)[None, :]
   allowed = mask[:, None, None, :] & ((gap >= 0) if causal else True)  # [N, 1, Lq, Lk]
   exact = jnp.einsum("nqhd,nkhd->nhqk", q, k) / math.sqrt(query.shape[-1])
-  if isinstance(kernel, str) and kernel == "softmax":
+  if softmax:
     if rho is not None or projection is not None:
       raise ValueError("kernel='softmax' takes no projection and no rho")
     log_w, sign = exact, jnp.ones_like(exact)
   else:
     features = features_lib.for_call(kernel, projection, rho, query, key, key_mask, causal, blocked=True,
                                      query_mask=query_mask)
-    log_w, sign = _kernel_log_weights(*features.fn(q, k))
+    log_pairs = getattr(kernels_lib.get_kernel(kernel), "log_pairs", None)  # a closed form, where the sum cancels
+    if log_pairs is not None:
+      log_w = log_pairs(q, k, projection)
+      sign = jnp.ones_like(log_w)
+    else:
+      log_w, sign = _kernel_log_weights(*features.fn(q, k))
     if window:
       near = (jnp.abs(gap) < window) & ((gap >= 0) if causal else True)
       log_w, sign = jnp.where(near, exact, log_w), jnp.where(near, 1.0, sign)
@@ -109,8 +135,9 @@ def attention_weights(
     total = jax.nn.logsumexp(log_w, axis=-1, keepdims=True)
     out = jnp.where(jnp.isfinite(total), log_w - state_lib.finite_or_zero(total), -jnp.inf)
     out = jnp.where(jnp.any(allowed & (sign < 0), axis=-1, keepdims=True), jnp.nan, out)
-    return out.reshape(batch + out.shape[1:])
-  peak = jax.lax.stop_gradient(jnp.max(log_w, axis=-1, keepdims=True))
-  w = sign * jnp.exp(log_w - state_lib.finite_or_zero(peak))
-  out = state_lib.divide(w, jnp.sum(w, axis=-1))
+  else:
+    peak = jax.lax.stop_gradient(jnp.max(log_w, axis=-1, keepdims=True))
+    w = sign * jnp.exp(log_w - state_lib.finite_or_zero(peak))
+    out = state_lib.divide(w, jnp.sum(w, axis=-1))
+  out = inputs.poison(out, jnp.swapaxes(bad, 1, 2))  # rows [N, H, Lq]
   return out.reshape(batch + out.shape[1:])

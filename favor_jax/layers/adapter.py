@@ -25,33 +25,44 @@ def make_attention_fn(
     alibi: bool = False,
     forget_gate: bool = False,
 ) -> Callable[..., Array]:
-  """An ``attention_fn`` computing :func:`favor_attention` with a fixed ``projection``.
+  """Makes an ``attention_fn`` computing :func:`~favor_jax.core.favor_attention` with a fixed projection.
 
   Pass it to ``flax.linen.MultiHeadDotProductAttention(attention_fn=...)`` or
-  ``flax.nnx.MultiHeadAttention(attention_fn=...)``. ``projection``: [M, D]
-  shared by the heads, [H, M, D] one per head, or None for a kernel that uses
-  none (``taylor``, ``elu_plus_one``). ``window`` > 0: exact softmax for keys
-  within ``window`` positions and the kernel's estimate for the rest
-  (:func:`core.hybrid_attention`). ``causal_method``: as in
-  :func:`core.favor_attention` ("auto": fused Pallas kernels on a GPU where
-  they apply). Key-padding masks are
-  honoured (no query padding is known here: a data-dependent kernel's statistic
-  averages over every query, padded ones included; the layers leave them out);
-  ``causal=True`` here or ``is_causal=True`` from NNX gives causal
-  attention (Flax's own decode cache passes one query against the cached keys
-  under a causal mask: decode through it with ``causal=False`` and no window);
-  full masks, ``bias``, attention dropout, ``sow_weights`` and
-  unknown keywords with a non-default value raise instead of being ignored.
+  ``flax.nnx.MultiHeadAttention(attention_fn=...)``. Key-padding masks are honoured (no query padding is
+  known here: a data-dependent kernel's statistic averages over every query, padded ones included; the
+  layers leave them out). Flax's own decode cache passes one query against the cached keys under a causal
+  mask: decode through it with ``causal=False`` and no window.
 
-  ``alibi=True``: ALiBi's fixed per-head forget gate (log f = −m_h, ``core.alibi_slopes``), for causal
-  attention only (``causal=True`` or ``is_causal=True`` at the call; a bidirectional call raises).
-  What Flax's ``attention_fn`` interface cannot carry, and is refused: ``forget_gate=True`` (the learned gate
-  is a function of the layer's input, which an ``attention_fn`` never sees: use ``FavorAttention(...,
-  forget_gate=True)``) and packed documents (Flax passes no segment ids, only a mask; a segment mask
-  [batch, 1, L, L] is a full mask, refused like any other: use ``FavorAttention``'s ``segment_ids``).
+  Args:
+    projection: ω, [M, D] shared by the heads, [H, M, D] one per head, or None for a kernel that uses none
+      (``taylor``, ``elu_plus_one``).
+    kernel: a name in ``core.KERNELS`` or a kernel, as in :func:`~favor_jax.core.favor_attention`.
+    causal: causal attention at every call (NNX's ``is_causal=True`` also asks for it at a call).
+    rho: a data-dependent kernel's statistic, as in :func:`~favor_jax.core.favor_attention`.
+    chunk_size: C, the chunk length of the causal pass.
+    window: W ≥ 0; > 0: exact softmax for keys within W positions and the kernel's estimate for the rest
+      (:func:`~favor_jax.core.hybrid_attention`).
+    causal_method: as in :func:`~favor_jax.core.favor_attention` (``"auto"``: fused Pallas kernels on a GPU
+      where they apply).
+    alibi: ALiBi's fixed per-head forget gate (log f = −m_h, ``core.alibi_slopes``), causal attention only
+      (``causal=True``, or ``is_causal=True`` at the call; a bidirectional call raises).
+    forget_gate: refused when True: the learned gate is a function of the layer's input, which an
+      ``attention_fn`` never sees (use ``FavorAttention(..., forget_gate=True)``). Packed documents cannot
+      pass either: Flax gives an ``attention_fn`` no segment ids, and a segment mask [batch, 1, L, L] is a full
+      mask, refused like any other (use ``FavorAttention``'s ``segment_ids``).
+
+  Returns:
+    ``attention_fn(query, key, value, bias=None, mask=None, ...)`` with Flax's signature: query
+    [..., Lq, H, D], key [..., Lk, H, D], value [..., Lk, H, Dv] to the output [..., Lq, H, Dv] (in ``dtype``
+    when given).
 
   Raises:
-    ValueError, TypeError: a bad argument (named), or ``forget_gate=True``.
+    ValueError: here, for ``forget_gate=True`` or an invalid setting (as ``FavorSettings.build`` checks:
+      kernel, ``chunk_size``, ``window``, ``causal_method``, ``alibi``); at a call, for a ``bias``,
+      ``sow_weights`` (``module``), custom weight einsums, attention dropout, an unknown keyword with a
+      non-default value, a full mask it cannot read as key padding, causal/window attention with Lq ≠ Lk,
+      or ``alibi`` in bidirectional attention.
+    TypeError: here or at a call, for a non-bool ``causal`` or ``is_causal``.
   """
   if forget_gate is not False:
     raise ValueError(f"forget_gate={forget_gate!r}: make_attention_fn cannot learn a forget gate, which is a "

@@ -20,23 +20,47 @@ def distillation_loss(
     query_mask: Bool[Array, "... L"] | None = None,
     rho: Float[Array, "... H"] | Float[Array, "... H D+1"] | None = None,
 ) -> Float[Array, ""]:
-  """Hedgehog's distillation loss (Zhang et al. 2024): the cross-entropy of each row of the kernel's
-  attention weights against softmax's,
+  """Computes Hedgehog's distillation loss: the cross-entropy of the kernel's attention weights against softmax's.
 
-      −mean over rows (batch, head, query) of Σ_j softmax_ij · log A_ij,
-      A = core.attention_weights(query, key, feature_map, kernel=kernel),
+  .. code-block:: text
 
-  over the rows that see at least one key and whose query is not padding (``query_mask`` False: left out of
-  the mean and of a data-dependent kernel's statistic, whatever it holds). ``query`` and ``key`` (a trained
-  softmax layer's, on real inputs: NNX ``layer.query(x)``, ``layer.key(x)``;
-  Linen ``apply(..., capture_intermediates=True)``) are held fixed: only
-  ``feature_map`` gets a gradient, so ``jax.grad`` with respect to it drives a
-  plain optax loop; the fitted map is then the hedgehog layer's ``feature_map``
-  parameter. The loss minus softmax's entropy is the mean KL divergence, ≥ 0,
-  0 when the weights match. log A is taken in log domain (a weight below float32's
-  range keeps its log), so the kernel's weights must be positive: kernels whose
-  weights can be 0 or negative (``relu``, ``trigonometric``) are refused. ``rho``: a
-  data-dependent kernel's statistic, as in :func:`core.attention_weights`.
+     loss = −mean over rows (batch, head, query) of Σ_j softmax_ij · log A_ij,
+     A = core.attention_weights(query, key, feature_map, kernel=kernel)
+
+  over the rows that see at least one key and whose query is not padding. ``query`` and ``key`` (a trained
+  softmax layer's, on real inputs: NNX ``layer.query(x)``, ``layer.key(x)``; Linen
+  ``apply(..., capture_intermediates=True)``) are held fixed: only ``feature_map`` gets a gradient, so
+  ``jax.grad`` with respect to it drives a plain optax loop; the fitted map is then the hedgehog layer's
+  ``feature_map`` parameter. The loss minus softmax's entropy is the mean KL divergence, ≥ 0, 0 when the
+  weights match. log A is taken in log domain (a weight below float32's range keeps its log).
+  Both sides are taken in log domain (softmax's too), so a teacher weight below float32's range still
+  counts: where the student gives a key weight exactly 0 and the teacher does not, the loss is +inf, as in
+  float64. Non-finite inputs follow the rule of every attention function: a non-finite query, or an unmasked
+  non-finite key a row may see, makes that row's cross-entropy NaN, and so the loss (its gradient then NaN
+  too); a padded query or a masked key is absent whatever it holds.
+
+  Args:
+    query: queries, shape [..., L, H, D] (held fixed).
+    key: keys, shape [..., L, H, D] (held fixed).
+    feature_map: the map being fitted, [M, D] or [H, M, D] (a hedgehog layer's ``feature_map``).
+    kernel: a name in ``core.KERNELS`` or a kernel whose weights are positive (not ``"softmax"``).
+    causal: whether query t sees only keys j ≤ t.
+    key_mask: optional bool [..., L]; False leaves a key out.
+    query_mask: optional bool [..., L]; False leaves a query (padding) out of the mean and of a
+      data-dependent kernel's statistic, whatever it holds.
+    rho: a data-dependent kernel's statistic, as in :func:`~favor_jax.core.attention_weights`.
+
+  Returns:
+    The loss, a float32 scalar.
+
+  Raises:
+    ValueError: if ``kernel`` is ``"softmax"``, unknown, or a record whose weights can be 0 or negative
+      (``relu``, ``trigonometric``), or as :func:`~favor_jax.core.attention_weights` raises.
+    TypeError: if ``query_mask`` is not bool, or as :func:`~favor_jax.core.attention_weights` raises.
+
+  References:
+    Zhang et al. 2024, "The Hedgehog & the Porcupine: Expressive Linear Attentions with Softmax Mimicry"
+    (ICLR).
   """
   if kernel == "softmax":
     raise ValueError("kernel must be a feature map to fit to softmax, got 'softmax'")
@@ -48,13 +72,16 @@ def distillation_loss(
   query, key = jax.lax.stop_gradient(query), jax.lax.stop_gradient(key)
   if query_mask is not None:  # a padded query's values (NaN included) reach neither the loss nor its gradient
     query = jnp.where(query_mask[..., None, None], query, jnp.zeros((), query.dtype))
-  target = jax.lax.stop_gradient(
-      core.attention_weights(query, key, kernel="softmax", causal=causal, key_mask=key_mask))
+  log_target = jax.lax.stop_gradient(
+      core.attention_weights(query, key, kernel="softmax", causal=causal, key_mask=key_mask, log=True))
   log_weights = core.attention_weights(query, key, feature_map, kernel=kernel, causal=causal, key_mask=key_mask,
                                        rho=rho, query_mask=query_mask, log=True)
-  seen = target > 0
-  cross = -jnp.sum(jnp.where(seen, target * jnp.where(seen, log_weights, 0.0), 0.0), axis=-1)
-  rows = jnp.any(seen, axis=-1)  # [..., H, L]
+  rows = jnp.any(~jnp.isneginf(log_target), axis=-1)  # [..., H, L]: sees a key (a NaN row included: NaN loss)
   if query_mask is not None:
     rows = rows & jnp.expand_dims(query_mask, -2)
+  seen = rows[..., None] & ~jnp.isneginf(log_target)  # the keys a row weighs (NaN ones too)
+  # t·log A, with t = e^{log t} > 0 and log A = −inf (a key the student drops) giving −inf, not 0·(−inf).
+  dropped = seen & jnp.isneginf(log_weights) & ~jnp.isnan(log_target)
+  terms = jnp.exp(jnp.where(seen, log_target, 0.0)) * jnp.where(seen & ~dropped, log_weights, 0.0)
+  cross = -jnp.sum(jnp.where(dropped, -jnp.inf, jnp.where(seen, terms, 0.0)), axis=-1)
   return jnp.sum(jnp.where(rows, cross, 0.0)) / jnp.maximum(jnp.sum(rows), 1)

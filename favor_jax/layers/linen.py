@@ -6,6 +6,7 @@ unchanged), plus ``num_features``, ``kernel``, ``projection``, ``causal``,
 ``per_head_projection``, ``window`` and ``qk_head_dim``.
 
 Variables besides ``params``:
+
 - ``favor`` (kernels with a random projection): ``projection`` [M, D] or
   [H, M, D] and ``projection_kind`` (index into ``PROJECTIONS``), and for a
   causal data-dependent kernel (FAVOR++) its running statistic, named after the
@@ -41,12 +42,25 @@ __all__ = ["FavorAttention", "redraw"]
 
 
 def redraw(variables, key, due=True):
-  """New variables with every FavorAttention projection redrawn (independently per layer) where ``due``.
+  """Redraws every FavorAttention projection in ``variables`` (independently per layer) where ``due``.
 
   Per-head projections [H, M, D] get H independent draws. Layers stacked by ``nn.scan`` (their
   projections [layers..., M, D]) get one independent draw per layer. Learned feature maps
-  (``params``) are never touched. Pure and jit-friendly: ``due`` may be traced
-  (see ``layers.redraw_due``). ``variables`` a ``FrozenDict``: so is the result (a carry keeps its type).
+  (``params``) are never touched. Pure and jit-friendly.
+
+  Args:
+    variables: a model's full variables (``model.init(...)``'s output, with the ``favor`` collection), a
+      dict or a ``FrozenDict``; no ``cache``.
+    key: PRNG key; each layer draws from ``fold_in(key, layer index)``.
+    due: bool, may be traced (e.g. :func:`favor_jax.layers.redraw_due`): False keeps the old projections.
+
+  Returns:
+    New variables of the same type (a ``FrozenDict`` stays one) with ``favor/.../projection`` redrawn,
+    each in its old dtype and of its old kind (``projection_kind``).
+
+  Raises:
+    ValueError: if ``variables`` has no ``favor`` collection (only ``params``, or kernels without a random
+      projection), or holds a decode ``cache`` built with the current projections.
   """
   favor = variables.get("favor")
   if favor is None:
@@ -83,48 +97,50 @@ def redraw(variables, key, due=True):
 
 
 class FavorAttention(nn.MultiHeadDotProductAttention):
-  """Multi-head FAVOR attention (Choromanski et al. 2021) as a Linen module.
+  """Multi-head FAVOR attention as a Linen module, a drop-in for ``nn.MultiHeadDotProductAttention``.
 
-  Attributes beyond Flax's:
-  - ``kernel``: a name in ``core.KERNELS`` (or a callable given the projection).
-  - ``num_features`` (M) and ``projection`` ("orthogonal", "iid", "simplex") of
-    the random projection: None means 256 and "orthogonal"; kernels without a
-    random projection (``taylor``, ``elu_plus_one``, learned ``hedgehog``)
-    refuse them.
-  - ``per_head_projection``: [H, M, D], each head its own independent draw (or
-    its own learned map). None: per head for learned kernels, shared otherwise.
-  - ``window`` > 0: exact softmax for the keys within ``window`` positions and
-    the kernel's estimate for the rest (``core.hybrid_attention``; Scatterbrain).
-  - ``qk_head_dim``: query/key head dim when it differs from the value head dim
-    (``qkv_features // num_heads``), as Based's Taylor layers (16) do.
-  - ``causal_method``: as in ``core.favor_attention`` ("auto": the fused Pallas
-    kernels on a GPU where they apply, the XLA chunked pass elsewhere).
-  - ``causal``, ``chunk_size`` (causal chunks) and ``rho_momentum`` (running
-    statistic of a causal data-dependent kernel, default ``layers.RHO_MOMENTUM``; refused on other layers;
-    updated when
-    ``deterministic=False`` and the ``favor`` collection is mutable, and only
-    *after* the step that used the old value, so no output depends on later tokens).
-  - ``qk_transform``: ``(query, key) -> (query, key)`` applied to the [..., L, H, D] projections (after
-    ``normalize_qk``) before the features, e.g. rotary embeddings; not with decode.
-  - ``mesh``, ``sequence_axis``, ``batch_axis``: the sequence split over ``sequence_axis`` of ``mesh``
-    (``parallel.sequence_parallel_attention``; the batch over ``batch_axis``); not with decode or a window.
-  - ``forget_gate`` (causal only): a learned per-head forget gate f_l = σ(x_l·w_h + b_h) from the keys' input
-    x (the layer's input in self-attention), the Forgetting Transformer's; ``params/forget_gate`` (``kernel``
-    [features, H], zero at init, ``bias`` [H], ``layers.gates.FORGET_GATE_BIAS`` at init: f ≈ 0.993).
-  - ``alibi`` (causal only): ALiBi's fixed per-head gate log f = −m_h (``core.alibi_slopes``). With both, the
-    log gates add.
+  Takes every attribute of ``flax.linen.MultiHeadDotProductAttention`` (but ``attention_fn`` and the
+  attention-weight einsum classes, which it refuses) and the same parameter tree, plus those below. The
+  settings are checked once per module instance (its first call), raising ValueError or TypeError naming
+  the attribute.
 
-  The call takes Flax's arguments (``mask``: key padding only, [batch..., 1, 1, Lk]), ``query_mask``
-  [batch..., Lq] (False: a padded query), which FAVOR++'s and FAVOR#'s statistic leaves out (in
-  self-attention it defaults to the key padding; pass it in padded cross-attention), and ``segment_ids``
-  [batch..., L] (packed documents: a segment is a run of equal consecutive ids, and no pair crosses one;
-  padding stays ``mask``). Decoding with ``segment_ids`` starts afresh at a token whose id differs from the
-  one before it.
+  Attributes:
+    num_features: M, the random projection's rows; None: 256. Refused by kernels without a random
+      projection (``taylor``, ``elu_plus_one``, learned ``hedgehog``).
+    kernel: a name in ``core.KERNELS`` (or a callable given the projection).
+    projection: ``"orthogonal"``, ``"iid"`` or ``"simplex"``; None: ``"orthogonal"``. Refused as
+      ``num_features`` is.
+    per_head_projection: True: [H, M, D], each head its own independent draw (or its own learned map).
+      None: per head for learned kernels, shared otherwise.
+    window: W ≥ 0; > 0: exact softmax for the keys within W positions and the kernel's estimate for the
+      rest (``core.hybrid_attention``; Scatterbrain).
+    qk_head_dim: query/key head dim when it differs from the value head dim (``qkv_features //
+      num_heads``), as Based's Taylor layers (16) do.
+    causal: causal attention.
+    chunk_size: C, the chunk length of the causal pass.
+    causal_method: as in ``core.favor_attention`` (``"auto"``: the fused Pallas kernels on a GPU where
+      they apply, the XLA chunked pass elsewhere).
+    rho_momentum: the running statistic's weight on its past, for a causal data-dependent kernel only
+      (default ``layers.RHO_MOMENTUM``); updated when ``deterministic=False`` and the ``favor`` collection
+      is mutable, and only *after* the step that used the old value, so no output depends on later tokens.
+    qk_transform: ``(query, key) -> (query, key)`` applied to the [..., L, H, D] projections (after
+      ``normalize_qk``) before the features, e.g. rotary embeddings; not with decode.
+    mesh: a ``jax.sharding.Mesh`` for sequence-parallel attention
+      (``parallel.sequence_parallel_attention``); not with decode or a window.
+    sequence_axis: the mesh axis the sequence is split over (with ``mesh``).
+    batch_axis: an optional mesh axis the batch is split over.
+    forget_gate: causal only: a learned per-head forget gate f_l = σ(x_l·w_h + b_h) from the keys' input x
+      (the layer's input in self-attention), the Forgetting Transformer's; ``params/forget_gate``
+      (``kernel`` [features, H], zero at init; ``bias`` [H], ``layers.gates.FORGET_GATE_BIAS`` at init, so
+      every gate starts at σ(5) ≈ 0.993).
+    alibi: causal only: ALiBi's fixed per-head gate log f = −m_h (``core.alibi_slopes``). With both, the
+      log gates add.
 
   References:
-    Lin et al. 2025, "Forgetting Transformer: Softmax Attention with a Forget Gate".
+    Choromanski et al. 2021, "Rethinking Attention with Performers" (ICLR).
+    Lin et al. 2025, "Forgetting Transformer: Softmax Attention with a Forget Gate" (ICLR).
     Press et al. 2022, "Train Short, Test Long: Attention with Linear Biases Enables Input Length
-    Extrapolation".
+    Extrapolation" (ICLR).
   """
   num_features: int | None = None
   kernel: str = "positive"
@@ -162,6 +178,33 @@ class FavorAttention(nn.MultiHeadDotProductAttention):
   @nn.compact
   def __call__(self, inputs_q, inputs_k=None, inputs_v=None, *, mask=None, deterministic=None,
                dropout_rng=None, sow_weights=False, query_mask=None, segment_ids=None):
+    """Applies FAVOR attention to the inputs, projected as ``nn.MultiHeadDotProductAttention`` does.
+
+    Args:
+      inputs_q: query inputs, [batch..., Lq, features].
+      inputs_k: key inputs, [batch..., Lk, features]; None: ``inputs_q``.
+      inputs_v: value inputs, [batch..., Lk, features]; None: ``inputs_k``.
+      mask: Flax's attention mask, key padding only ([batch..., 1, 1, Lk] broadcastable); None: no padding.
+      deterministic: as in Flax; False (training) also updates a causal data-dependent kernel's running
+        statistic.
+      dropout_rng: ignored (attention dropout is refused).
+      sow_weights: must be False (FAVOR forms no attention weights).
+      query_mask: optional bool [batch..., Lq], False for a padded query, which FAVOR++'s and FAVOR#'s
+        statistic leaves out. In self-attention it defaults to the key padding; pass it in padded
+        cross-attention.
+      segment_ids: optional int [batch..., L], packed documents: a segment is a run of equal consecutive
+        ids, and no pair crosses one (padding stays ``mask``). Decoding starts afresh at a token whose id
+        differs from the one before it.
+
+    Returns:
+      The output, [batch..., Lq, out_features] (``out_features`` or the inputs' features).
+
+    Raises:
+      ValueError: for ``sow_weights``, a mask that is not key padding, ``qkv_features`` not divisible by
+        ``num_heads``, attention dropout while training, a stored projection or feature map of the wrong
+        shape, a decode call without (or with the wrong kind of) ``cache``, or invalid settings.
+      TypeError: for inputs or settings of the wrong type (as the input and settings checks raise).
+    """
     del dropout_rng
     settings = self.settings
     if sow_weights:

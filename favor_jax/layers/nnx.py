@@ -30,18 +30,40 @@ __all__ = ["FavorAttention", "FavorProjection", "FavorStats", "redraw"]
 
 
 class FavorProjection(nnx.Variable):
-  """The random projection ω [M, head_dim] (or [H, M, head_dim]): state, never a trainable parameter."""
+  """The random projection ω of a FavorAttention layer: state, never a trainable parameter.
+
+  Optimizers built on ``nnx.Param`` never touch it; it is saved with the model's state.
+
+  Args:
+    value: ω, [M, D] shared by the heads or [H, M, D] one per head (D: the query/key head dim).
+  """
 
 
 class FavorStats(nnx.Variable):
-  """Running statistic of a causal data-dependent kernel (FAVOR++'s ρ [H])."""
+  """The running statistic of a causal data-dependent kernel, updated in training.
+
+  Args:
+    value: FAVOR++'s ρ [H], or FAVOR#'s [H, D+1] (log Ψ, then ρ).
+  """
 
 
 def redraw(model: nnx.Module, key, due=True) -> None:
   """Redraws, in place and independently per layer, every FavorAttention projection in ``model`` where ``due``.
 
-  Layers without a random projection (learned or fixed feature maps) are left
-  as they are. Works inside ``nnx.jit``; ``due`` may be traced (see ``layers.redraw_due``).
+  Layers without a random projection (learned or fixed feature maps) are left as they are. Works inside
+  ``nnx.jit``.
+
+  Args:
+    model: an NNX module holding FavorAttention layers.
+    key: PRNG key; layer i draws from ``fold_in(key, i)``.
+    due: bool, may be traced (e.g. :func:`favor_jax.layers.redraw_due`): False keeps the old projections.
+
+  Returns:
+    None; the projections are replaced in place.
+
+  Raises:
+    ValueError: if ``model`` has no FavorAttention layer, none with a random projection, or one holding a
+      decode cache (checked before any layer changes).
   """
   found = [m for _, m in nnx.iter_graph(model) if isinstance(m, FavorAttention)]
   if not found:
@@ -59,33 +81,56 @@ def redraw(model: nnx.Module, key, due=True) -> None:
 
 
 class FavorAttention(nnx.MultiHeadAttention):
-  """Multi-head FAVOR attention (Choromanski et al. 2021) with Flax NNX's interface.
+  """Multi-head FAVOR attention with Flax NNX's interface, a drop-in for ``nnx.MultiHeadAttention``.
 
-  ``num_features`` (M) and ``projection`` kind: None means 256 and
-  "orthogonal"; kernels without a random projection refuse them.
-  ``per_head_projection``: [H, M, D], each head an independent draw (None:
-  per head for learned kernels only). ``window`` > 0: exact softmax within the
-  window plus the kernel's estimate elsewhere (``core.hybrid_attention``).
-  ``qk_head_dim``: query/key head dim, when it differs from the value's.
-  ``causal_method``: as in ``core.favor_attention``. ``decode=True`` with
-  :meth:`init_cache` decodes token by token from a constant-size state (plus
-  the last ``window`` keys and values). Causal data-dependent layers (FAVOR++)
-  keep a running statistic, updated in training (``deterministic=False``)
-  after the step that used the old value. ``mesh``, ``sequence_axis``,
-  ``batch_axis``: the sequence split over ``sequence_axis`` of ``mesh``
-  (``parallel.sequence_parallel_attention``; the batch over ``batch_axis``);
-  not with decode or a window. ``qk_transform``: ``(query, key) -> (query, key)`` applied to the
-  [..., L, H, D] projections (after ``normalize_qk``) before the features, e.g. rotary embeddings; not with
-  decode. ``forget_gate`` (causal only): a learned per-head gate f_l = σ(x_l·w_h + b_h) from the keys' input
-  (FoX), the ``nnx.Linear`` ``forget_gate`` (weight zero, bias ``layers.gates.FORGET_GATE_BIAS`` at init);
-  ``alibi`` (causal only): ALiBi's fixed gate log f = −m_h; both: the log gates add. The call's
-  ``segment_ids`` [batch..., L]: packed documents (no pair crosses a segment; decoding starts afresh at a
-  new id); padding stays ``mask``.
+  ``decode=True`` with :meth:`init_cache` decodes token by token from a constant-size state (plus the last
+  ``window`` keys and values). Causal data-dependent layers (FAVOR++, FAVOR#) keep a running statistic
+  (:class:`FavorStats`), updated in training (``deterministic=False``) after the step that used the old
+  value, so no output depends on later tokens.
+
+  Args:
+    num_heads: H, as in ``nnx.MultiHeadAttention``.
+    in_features: the inputs' features, as in ``nnx.MultiHeadAttention``.
+    qkv_features: as in ``nnx.MultiHeadAttention`` (None: ``in_features``).
+    out_features: as in ``nnx.MultiHeadAttention`` (None: ``in_features``).
+    num_features: M, the random projection's rows; None: 256. Refused by kernels without a random
+      projection (``taylor``, ``elu_plus_one``, learned ``hedgehog``).
+    kernel: a name in ``core.KERNELS``.
+    projection: ``"orthogonal"``, ``"iid"`` or ``"simplex"``; None: ``"orthogonal"``. Refused as
+      ``num_features`` is.
+    per_head_projection: True: [H, M, D], each head an independent draw (None: per head for learned
+      kernels only).
+    window: W ≥ 0; > 0: exact softmax within the window plus the kernel's estimate elsewhere
+      (``core.hybrid_attention``).
+    qk_head_dim: query/key head dim, when it differs from the value's.
+    causal: causal attention (fixed at construction).
+    chunk_size: C, the chunk length of the causal pass.
+    causal_method: as in ``core.favor_attention``.
+    rho_momentum: the running statistic's weight on its past, for a causal data-dependent kernel only
+      (None: ``layers.RHO_MOMENTUM`` there).
+    mesh: a ``jax.sharding.Mesh`` for sequence-parallel attention
+      (``parallel.sequence_parallel_attention``); not with decode or a window.
+    sequence_axis: the mesh axis the sequence is split over (with ``mesh``).
+    batch_axis: an optional mesh axis the batch is split over.
+    qk_transform: ``(query, key) -> (query, key)`` applied to the [..., L, H, D] projections (after
+      ``normalize_qk``) before the features, e.g. rotary embeddings; not with decode.
+    forget_gate: causal only: a learned per-head gate f_l = σ(x_l·w_h + b_h) from the keys' input (FoX),
+      the ``nnx.Linear`` ``forget_gate`` (weight zero, bias ``layers.gates.FORGET_GATE_BIAS`` at init).
+    alibi: causal only: ALiBi's fixed gate log f = −m_h (``core.alibi_slopes``); with ``forget_gate``, the
+      log gates add.
+    rngs: ``nnx.Rngs`` for the parameters and the projection's draw.
+    **flax_kwargs: the other arguments of ``nnx.MultiHeadAttention`` (``decode``, ``dropout_rate``,
+      ``normalize_qk``, initialisers, dtypes, ...), but ``attention_fn``.
+
+  Raises:
+    ValueError: for ``attention_fn``, ``num_kv_heads`` ≠ ``num_heads``, or an invalid setting (named).
+    TypeError: for a setting of the wrong type (e.g. a non-callable ``qk_transform``, a non-bool ``causal``).
 
   References:
-    Lin et al. 2025, "Forgetting Transformer: Softmax Attention with a Forget Gate".
+    Choromanski et al. 2021, "Rethinking Attention with Performers" (ICLR).
+    Lin et al. 2025, "Forgetting Transformer: Softmax Attention with a Forget Gate" (ICLR).
     Press et al. 2022, "Train Short, Test Long: Attention with Linear Biases Enables Input Length
-    Extrapolation".
+    Extrapolation" (ICLR).
   """
 
   def __init__(self, num_heads: int, in_features: int, qkv_features: int | None = None,
@@ -158,9 +203,16 @@ class FavorAttention(nnx.MultiHeadAttention):
   def redraw(self, key, due=True) -> None:
     """Sets a fresh projection drawn from ``key`` (kept as is where ``due`` is False).
 
-    Per-head projections get one independent draw per head. Not while a decode
-    cache is held: its state was built with the current projection (call
-    :meth:`clear_cache` first, then :meth:`init_cache` again).
+    Per-head projections get one independent draw per head. Not while a decode cache is held: its state
+    was built with the current projection (call :meth:`clear_cache` first, then :meth:`init_cache` again).
+
+    Args:
+      key: PRNG key.
+      due: bool, may be traced: False keeps the old projection.
+
+    Raises:
+      ValueError: if the layer has no random projection, holds a decode cache, or its projection's shape
+        was changed.
     """
     if self.projection is None:
       raise ValueError(f"kernel {self.kernel!r} has no random projection to redraw"
@@ -177,7 +229,16 @@ class FavorAttention(nnx.MultiHeadAttention):
     self.projection[...] = jnp.where(due, fresh, old)
 
   def init_cache(self, input_shape, dtype=jnp.float32) -> None:
-    """Allocates the decode state for ``decode=True``; ``input_shape`` is [batch..., length, features]."""
+    """Allocates the decode state for ``decode=True``.
+
+    Args:
+      input_shape: the inputs' shape, [batch..., length, features] (the state is sized for its batch).
+      dtype: a floating dtype for the sizing inputs (the state itself is float32).
+
+    Raises:
+      TypeError: if ``dtype`` is not floating.
+      ValueError: if ``input_shape`` has fewer than 2 dims, or the layer is not causal.
+    """
     if not jnp.issubdtype(jnp.dtype(dtype), jnp.floating):
       raise TypeError(f"init_cache dtype must be a floating-point dtype (the state is float32), got {dtype}")
     if len(input_shape) < 2:
@@ -191,12 +252,45 @@ class FavorAttention(nnx.MultiHeadAttention):
     self.decode_state = nnx.Cache(state)
 
   def clear_cache(self) -> None:
-    """Drops the decode state (after which :meth:`redraw` is allowed)."""
+    """Drops the decode state (after which :meth:`redraw` is allowed).
+
+    Returns:
+      None.
+    """
     self.decode_state = nnx.data(None)
 
   def __call__(self, inputs_q, inputs_k=None, inputs_v=None, *, mask=None, deterministic=None,
                rngs=None, sow_weights=False, decode=None, is_causal=False, out_sharding=None, qkv_sharding=None,
                query_mask=None, segment_ids=None):
+    """Applies FAVOR attention to the inputs, projected as ``nnx.MultiHeadAttention`` does.
+
+    Args:
+      inputs_q: query inputs, [batch..., Lq, in_features].
+      inputs_k: key inputs, [batch..., Lk, features]; None: ``inputs_q``.
+      inputs_v: value inputs, [batch..., Lk, features]; None: ``inputs_k``.
+      mask: NNX's attention mask, key padding only ([batch..., 1, 1, Lk] broadcastable); None: no padding.
+      deterministic: as in NNX; False (training) also updates a causal data-dependent kernel's statistic.
+      rngs: ignored (attention dropout is refused).
+      sow_weights: must be False (FAVOR forms no attention weights).
+      decode: decode one step from the cache (None: the layer's ``decode``); needs :meth:`init_cache`.
+      is_causal: True only on a layer built with ``causal=True`` (causality is fixed at construction).
+      out_sharding: must be None (split with ``mesh``, ``sequence_axis``, ``batch_axis`` instead).
+      qkv_sharding: must be None.
+      query_mask: optional bool [batch..., Lq], False for a padded query, left out of FAVOR++'s and
+        FAVOR#'s statistic; in self-attention it defaults to the key padding of ``mask``; give it in
+        padded cross-attention.
+      segment_ids: optional int [batch..., L], packed documents (no pair crosses a segment; decoding starts
+        afresh at a new id); padding stays ``mask``.
+
+    Returns:
+      The output, [batch..., Lq, out_features].
+
+    Raises:
+      ValueError: for ``sow_weights``, ``is_causal`` on a non-causal layer, a sharding argument, inputs of
+        the wrong features, a mask that is not key padding, attention dropout while training, or decoding
+        without :meth:`init_cache`.
+      TypeError: for inputs of the wrong type (as the input checks raise).
+    """
     del rngs
     if sow_weights:
       raise ValueError("sow_weights is not supported: FAVOR attention never forms attention weights")

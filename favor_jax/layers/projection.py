@@ -47,9 +47,19 @@ def redraw_projection(key, kind, old):
 
 
 def redraw_due(step, every: int):
-  """True on the steps where an ``every``-step redraw schedule draws new features (never if 0).
+  """Says whether an ``every``-step redraw schedule draws new features at ``step``.
 
   Works on a traced ``step``, so a jitted train step compiles once.
+
+  Args:
+    step: the training step, an int or an int scalar array (may be traced).
+    every: redraw every this many steps; 0 never redraws.
+
+  Returns:
+    A bool scalar array: ``step % every == 0`` (always False when ``every`` is 0).
+
+  Raises:
+    ValueError: if ``every`` is not a non-negative int (a bool is refused).
   """
   if isinstance(every, bool) or not isinstance(every, numbers.Integral) or every < 0:
     raise ValueError(f"redraw every must be a non-negative int, got {every!r}")
