@@ -54,6 +54,14 @@ def check_config(config) -> None:
   models.favor_settings(config, tasks.is_causal(config.task))
   _check(a.type == "favor" or a.qk_head_dim == 0,
          f"attention.qk_head_dim={a.qk_head_dim} is for FAVOR layers; softmax attention uses the model's head dim")
+  relative = ("data.pack", config.data.get("pack", False)), ("data.eval_lengths", config.data.get("eval_lengths", ()))
+  for name, value in relative:  # packed rows hold documents at every offset; other lengths run past max_len
+    _check(not value or m.positions != "learned",
+           f"{name}={value!r} needs relative positions (model.positions 'rotary' or 'none'): learned absolute "
+           "positions are tied to the offset in the row and cannot run past the training length")
+  _check(not config.data.get("pack", False) or m.short_conv == 0,
+         f"data.pack=True with model.short_conv={m.short_conv}: the short convolution would mix the last "
+         "characters of one document into the next (set model.short_conv=0)")
   _check(m.positions != "rotary" or a.qk_head_dim % 2 == 0,
          f"rotary positions need an even attention.qk_head_dim, got {a.qk_head_dim}")
   _check(a.redraw_every == 0 or "attention.redraw_every" not in unused_fields(config),
@@ -81,14 +89,16 @@ def unused_fields(config) -> dict:
   """{dotted field: why this run does not read it}: the config file's labels, ``mesh.fsdp`` without a data
   axis, FAVOR's fields under softmax attention, the
   random projection's (``num_features``, ``projection``, ``redraw_every``) for a kernel without one,
-  ``chunk_size`` where nothing is chunked (a classifier's bidirectional attention without a window)."""
+  ``chunk_size`` where nothing is chunked (a classifier's bidirectional attention without a window); softmax
+  reads ``attention.forget_gate`` and ``attention.alibi``."""
   unused = {k: "a label of the config file, not read by the run" for k in ("quick", "config_name", "experiment")
             if k in config}
   if config.mesh.data == 1:
     unused["mesh.fsdp"] = "mesh.data is 1: no data axis to split parameters over"
   a = config.attention
-  if a.type != "favor":
-    return {**unused, **{f"attention.{k}": "softmax attention has no FAVOR fields" for k in a if k != "type"}}
+  if a.type != "favor":  # softmax reads its type and the gates
+    return {**unused, **{f"attention.{k}": "softmax attention has no FAVOR fields" for k in a
+                         if k not in ("type", "forget_gate", "alibi")}}
   if projection_role(a.kernel) != "random":
     why = f"kernel {a.kernel!r} has no random projection"
     unused.update({f"attention.{k}": why for k in ("num_features", "projection", "redraw_every")})

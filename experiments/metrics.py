@@ -15,21 +15,32 @@ from experiments.steps import TrainState, metric_sums
 
 
 def make_eval(model, task, mesh: Mesh):
-  """``evaluate(state) -> {eval_loss, eval_accuracy (, eval_bpc)}`` over the task's held-out batches."""
+  """``evaluate(state, final=False) -> {eval_loss, eval_accuracy (, eval_bpc)}`` over the task's held-out
+  batches; ``final``: also over each of ``task.length_evals`` (``eval_loss_at_L``, ... for its length L: the
+  model trained at the task's length, run at another without retraining)."""
   @jax.jit
   def eval_sums(params, favor, batch):
-    return metric_sums(model.apply({"params": params, "favor": favor}, batch.tokens), batch)
+    packed = {} if batch.segment_ids is None else {"segment_ids": batch.segment_ids}
+    return metric_sums(model.apply({"params": params, "favor": favor}, batch.tokens, **packed), batch)
 
   data = mesh.shape["data"]
   # Placed once: the held-out set never changes. A batch the data axis does not divide (a short last
   # batch) runs replicated.
-  batches = [put_batch(b, mesh, len(b.tokens) % data == 0) for b in task.eval_batches]
+  place = lambda held_out: [put_batch(b, mesh, len(b.tokens) % data == 0) for b in held_out]
+  batches = place(task.eval_batches)
+  at_length = [(length, place(held_out)) for length, held_out in task.length_evals]
 
-  def evaluate(state: TrainState) -> dict:
-    total = sum(np.asarray(eval_sums(state.params, state.favor, b), np.float64) for b in batches)
+  def metrics(state, held_out, suffix=""):
+    total = sum(np.asarray(eval_sums(state.params, state.favor, b), np.float64) for b in held_out)
     out = dict(eval_loss=total[0] / total[2], eval_accuracy=total[1] / total[2])
     if task.metric == "eval_bpc":
       out["eval_bpc"] = out["eval_loss"] / math.log(2)
+    return {k + suffix: v for k, v in out.items()}
+
+  def evaluate(state: TrainState, final: bool = False) -> dict:
+    out = metrics(state, batches)
+    for length, held_out in at_length if final else ():
+      out.update(metrics(state, held_out, f"_at_{length}"))
     return out
 
   return evaluate

@@ -22,18 +22,24 @@ from jax.sharding import Mesh
 from jaxtyping import Float, Int
 
 from favor_jax import core
+from favor_jax.layers import gates
 from favor_jax.layers import linen as favor_linen
 from favor_jax.layers.projection import layer_projection
 from favor_jax.layers.settings import FavorSettings
 
 ATTENTION_TYPES = ("softmax", "favor")
-POSITIONS = ("learned", "rotary")
+# "learned": absolute embeddings (cannot run past max_len); "rotary": applied to q, k; "none": no positions
+# (a causal model still orders tokens, and a forget gate adds recency).
+POSITIONS = ("learned", "rotary", "none")
 
 
 class AttentionSpec(NamedTuple):
   """The config's attention as the model reads it (hashable, unlike a ConfigDict)."""
   type: str  # "softmax" or "favor"
   favor: FavorSettings | None = None  # FAVOR layers' settings (``favor_settings``); None for softmax
+  forget_gate: bool = False  # softmax: FoX's learned forget gate (FAVOR: in ``favor``)
+  alibi: bool = False  # softmax: ALiBi's fixed gate (FAVOR: in ``favor``)
+  packed: bool = False  # the model is given segment ids (packed documents)
 
 
 def rotary(x_BLHD: Float[Array, "B L H D"], base: float = 10000.0) -> Float[Array, "B L H D"]:
@@ -81,13 +87,46 @@ def favor_settings(config, causal: bool, mesh: Mesh | None = None) -> FavorSetti
       chunk_size=a.chunk_size, window=a.window, qk_head_dim=a.qk_head_dim or None,
       qk_transform=_rotary_qk if config.model.positions == "rotary" else None, mesh=mesh if parallel else None,
       sequence_axis="sequence" if parallel else None, batch_axis="data" if parallel else None,
-      unused_projection="drop", prefix="attention.")
+      forget_gate=a.get("forget_gate", False), alibi=a.get("alibi", False), unused_projection="drop",
+      prefix="attention.")
+
+
+class SoftmaxAttention(nn.Module):
+  """Exact causal softmax attention through ``core.softmax_attention``, with the FAVOR layers' forget gate,
+  ALiBi and segment ids: the Forgetting Transformer (``forget_gate``) and ALiBi as reference models. The
+  parameter tree is ``nn.MultiHeadDotProductAttention``'s (``query``, ``key``, ``value``, ``out``), plus
+  ``forget_gate`` (``layers.gates``: the FAVOR layers' parameterisation and init)."""
+  num_heads: int
+  rotary: bool
+  forget_gate: bool = False
+  alibi: bool = False
+
+  @nn.compact
+  def __call__(self, x_BLD, mask=None, deterministic=True, segment_ids=None):
+    del mask, deterministic  # causal (no padding in an LM), no dropout
+    d_model = x_BLD.shape[-1]
+    dense = lambda name: nn.DenseGeneral((self.num_heads, d_model // self.num_heads), name=name)
+    q_BLHD, k_BLHD, v_BLHD = dense("query")(x_BLD), dense("key")(x_BLD), dense("value")(x_BLD)
+    if self.rotary:
+      q_BLHD, k_BLHD = rotary(q_BLHD), rotary(k_BLHD)
+    logit_BLH = None
+    if self.forget_gate:
+      kernel_init, bias_init = gates.forget_gate_init()
+      logit_BLH = nn.DenseGeneral(self.num_heads, kernel_init=kernel_init, bias_init=bias_init,
+                                  name="forget_gate")(x_BLD)
+    log_gate = gates.layer_log_gate(logit_BLH, self.alibi, q_BLHD.shape[:-1])
+    out_BLHD = core.softmax_attention(q_BLHD, k_BLHD, v_BLHD, causal=True,
+                                      **gates.gate_kwargs(log_gate, segment_ids))
+    return nn.DenseGeneral(d_model, axis=(-2, -1), name="out")(out_BLHD)
 
 
 def attention_layer(attention: AttentionSpec, num_heads: int, positions: str, name: str) -> nn.Module:
-  """The attention module named by ``attention.type`` ("softmax" or "favor")."""
+  """The attention module named by ``attention.type`` ("softmax" or "favor"); gated or packed softmax:
+  :class:`SoftmaxAttention`."""
   if attention.type == "softmax":
     rope = positions == "rotary"
+    if attention.forget_gate or attention.alibi or attention.packed:
+      return SoftmaxAttention(num_heads, rope, attention.forget_gate, attention.alibi, name=name)
     return nn.MultiHeadDotProductAttention(
         num_heads=num_heads, attention_fn=_rotary_softmax if rope else nn.dot_product_attention, name=name)
   fields = {f.name: getattr(attention.favor, f.name) for f in dataclasses.fields(attention.favor)}
@@ -116,11 +155,12 @@ class Block(nn.Module):
   short_conv: int = 0  # > 0: a residual ShortConv of this width before attention (0 = none)
 
   @nn.compact
-  def __call__(self, x_BLD, mask, train: bool):
+  def __call__(self, x_BLD, mask, train: bool, segment_ids=None):
     if self.short_conv:
       x_BLD = x_BLD + ShortConv(self.short_conv, name="short_conv")(nn.LayerNorm(name="ln_conv")(x_BLD))
     attend = attention_layer(self.attention, self.num_heads, self.positions, "attention")
-    x_BLD = x_BLD + attend(nn.LayerNorm(name="ln_attention")(x_BLD), mask=mask, deterministic=not train)
+    packed = {} if segment_ids is None else {"segment_ids": segment_ids}
+    x_BLD = x_BLD + attend(nn.LayerNorm(name="ln_attention")(x_BLD), mask=mask, deterministic=not train, **packed)
     h_BLF = nn.gelu(nn.Dense(self.mlp_dim, name="mlp_in")(nn.LayerNorm(name="ln_mlp")(x_BLD)))
     return x_BLD + nn.Dense(x_BLD.shape[-1], name="mlp_out")(h_BLF)
 
@@ -130,7 +170,8 @@ class Transformer(nn.Module):
 
   The classifier mean-pools the non-padding positions (token 0 is padding).
   ``train=True`` lets causal FAVOR++ layers update their running ρ (``favor``
-  collection mutable); there is no dropout.
+  collection mutable); there is no dropout. ``segment_ids`` [B, L]: packed documents, no attention across a
+  boundary (positions must be relative: rotary or none); None: one document per row.
   """
   vocab_size: int
   num_classes: int
@@ -144,7 +185,8 @@ class Transformer(nn.Module):
   short_conv: int = 0  # > 0: each block starts with a residual causal depthwise convolution of this width
 
   @nn.compact
-  def __call__(self, tokens_BL: Int[Array, "B L"], train: bool = False) -> Array:
+  def __call__(self, tokens_BL: Int[Array, "B L"], train: bool = False,
+               segment_ids: Int[Array, "B L"] | None = None) -> Array:
     causal = self.num_classes == 0
     length = tokens_BL.shape[-1]
     if length > self.max_len:
@@ -153,14 +195,16 @@ class Transformer(nn.Module):
     if self.positions == "learned":
       x_BLD = x_BLD + nn.Embed(self.max_len, self.d_model, name="position")(jnp.arange(length))
     pad_BL = tokens_BL != 0
-    if causal:  # LM: no padding; softmax needs an explicit causal mask, FAVOR is built causal
-      mask = nn.make_causal_mask(tokens_BL) if self.attention.type == "softmax" else None
+    if causal:  # LM: no padding; Flax's softmax needs an explicit causal mask, FAVOR and SoftmaxAttention not
+      flax_softmax = self.attention.type == "softmax" and not (
+          self.attention.forget_gate or self.attention.alibi or self.attention.packed)
+      mask = nn.make_causal_mask(tokens_BL) if flax_softmax else None
     else:  # classifier: remove padding keys for every query (the only mask FAVOR can honour)
       mask = pad_BL[:, None, None, :]
     block = functools.partial(Block, self.attention, self.num_heads, self.mlp_dim, self.positions,
                               self.short_conv)
     for i in range(self.num_layers):
-      x_BLD = block(name=f"block_{i}")(x_BLD, mask, train)
+      x_BLD = block(name=f"block_{i}")(x_BLD, mask, train, segment_ids)
     x_BLD = nn.LayerNorm(name="ln_final")(x_BLD)
     if causal:
       return nn.Dense(self.vocab_size, name="head")(x_BLD)
@@ -170,12 +214,16 @@ class Transformer(nn.Module):
 
 
 def make_model(config, vocab_size: int, num_classes: int, max_len: int, mesh: Mesh | None = None) -> Transformer:
-  """The config's model; FAVOR layers run sequence-parallel over ``mesh``'s "sequence" axis if it has > 1 device."""
+  """The config's model; FAVOR layers run sequence-parallel over ``mesh``'s "sequence" axis if it has > 1 device.
+  Softmax reads ``attention.forget_gate`` and ``attention.alibi`` too; ``data.pack`` (if the task has it) builds
+  a model that takes segment ids."""
   m, a = config.model, config.attention
   favor = favor_settings(config, num_classes == 0, mesh) if a.type == "favor" else None
+  spec = AttentionSpec(a.type, favor, forget_gate=a.get("forget_gate", False), alibi=a.get("alibi", False),
+                       packed=bool(config.data.get("pack", False)))
   return Transformer(vocab_size=vocab_size, num_classes=num_classes, max_len=max_len, d_model=m.d_model,
                      num_layers=m.num_layers, num_heads=m.num_heads, mlp_dim=m.mlp_dim,
-                     positions=m.positions, short_conv=m.short_conv, attention=AttentionSpec(a.type, favor))
+                     positions=m.positions, short_conv=m.short_conv, attention=spec)
 
 
 def decode_state_size(config, seq_len: int) -> int:

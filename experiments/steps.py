@@ -70,8 +70,9 @@ def make_train_step(model, optimizer, redraw_every: int, redraw_key, shardings=N
       favor = favor_linen.redraw({"favor": favor}, jax.random.fold_in(redraw_key, state.step), due)["favor"]
 
     def loss_fn(params):
+      packed = {} if batch.segment_ids is None else {"segment_ids": batch.segment_ids}
       logits, updated = model.apply({"params": params, "favor": favor}, batch.tokens, train=True,
-                                    mutable=["favor"])
+                                    mutable=["favor"], **packed)
       sums = metric_sums(logits, batch)
       return sums[0] / jnp.maximum(sums[2], 1.0), (sums, updated.get("favor", favor))
 

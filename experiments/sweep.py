@@ -80,7 +80,9 @@ def attention_fields(config) -> dict:
   field = lambda name, empty: empty if f"attention.{name}" in unused else a[name]
   return dict(attention=a.type, kernel=field("kernel", ""), num_features=field("num_features", 0),
               projection=field("projection", ""), redraw_every=field("redraw_every", 0),
-              window=field("window", 0), qk_head_dim=field("qk_head_dim", 0), short_conv=config.model.short_conv)
+              window=field("window", 0), qk_head_dim=field("qk_head_dim", 0), short_conv=config.model.short_conv,
+              forget_gate=a.get("forget_gate", False), alibi=a.get("alibi", False),
+              positions=config.model.positions, pack=config.data.get("pack", False))
 
 
 def final_record(name: str, config, records: list[dict]) -> dict:
@@ -121,19 +123,22 @@ def _main_metric(records):
 
 # Fields that make runs the same setting (all but the seed): mean_over_seeds groups on them.
 SETTING = ("task", "attention", "kernel", "num_features", "projection", "redraw_every", "window", "qk_head_dim",
-           "short_conv", "seq_len", "num_kv_pairs", "steps")
+           "short_conv", "seq_len", "num_kv_pairs", "steps", "forget_gate", "alibi", "positions", "pack")
 
 
 def mean_over_seeds(records: list[dict], metric: str) -> list[dict]:
-  """One row per setting (``SETTING``): the first run's name and fields, ``metric`` and best accuracy averaged
-  over its seeds, ``seeds`` the seeds, ``spread`` max − min of ``metric``."""
+  """One row per setting (``SETTING``): the first run's name and fields, ``metric`` (and ``metric`` at other
+  lengths, ``METRIC_at_L``) and best accuracy averaged over its seeds, ``seeds`` the seeds, ``spread`` max − min
+  of ``metric``."""
   groups: dict[tuple, list[dict]] = {}
   for r in records:
     groups.setdefault(tuple(r.get(f) for f in SETTING), []).append(r)
   rows = []
   for runs in groups.values():
     values = [r[metric] for r in runs]
-    rows.append({**runs[0], metric: sum(values) / len(values), "seeds": [r["seed"] for r in runs],
+    at_lengths = {k: sum(r[k] for r in runs) / len(runs) for k in runs[0] if k.startswith(metric + "_at_")
+                  and all(k in r for r in runs)}
+    rows.append({**runs[0], **at_lengths, metric: sum(values) / len(values), "seeds": [r["seed"] for r in runs],
                  "spread": max(values) - min(values),
                  "best_eval_accuracy": sum(r["best_eval_accuracy"] for r in runs) / len(runs)})
   return rows
@@ -142,6 +147,7 @@ def mean_over_seeds(records: list[dict], metric: str) -> list[dict]:
 def setting(r) -> str:
   """What a run's attention is, in words: "softmax", "taylor d=16 + window 16", "positive M=64 + conv 4"."""
   conv = f" + conv {r['short_conv']}" if r.get("short_conv") else ""  # records from before the field: none
+  conv += " + forget gate" * bool(r.get("forget_gate")) + " + alibi" * bool(r.get("alibi"))
   if r["attention"] == "softmax":
     return "softmax" + conv
   parts = [r["kernel"]]
@@ -235,6 +241,15 @@ def summarize(records: list[dict], config) -> str:
         ["run", "attention", "kv pairs", "seeds", metric, "spread", "best eval acc"],
         [[r["name"], setting(r), str(r["num_kv_pairs"] or ""), str(len(r["seeds"])), f"{r[metric]:.4f}",
           f"{r['spread']:.4f}", f"{r['best_eval_accuracy']:.4f}"] for r in settings])
+  lengths = sorted({int(k.rpartition("_")[2]) for r in records for k in r if k.startswith(metric + "_at_")})
+  if lengths:
+    lines += ["", f"## Length extrapolation ({metric}, mean over seeds; trained at L, evaluated at longer lengths "
+              "without retraining)", ""]
+    cell = lambda r, n: f"{r[f'{metric}_at_{n}']:.4f}" if f"{metric}_at_{n}" in r else ""
+    lines += markdown_table(
+        ["run", "attention", "positions", "seeds", "at L"] + [f"at {n}" for n in lengths],
+        [[r["name"], setting(r), str(r.get("positions", "")), str(len(r["seeds"])), f"{r[metric]:.4f}"]
+         + [cell(r, n) for n in lengths] for r in settings])
   for base in (r for r in settings if r["attention"] == "softmax"):
     others = [r for r in settings if r["attention"] == "favor" and all(r.get(f) == base.get(f) for f in COMPARED_ON)]
     if others:

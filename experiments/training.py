@@ -142,7 +142,8 @@ def _train(config, workdir: str, progress, init_params) -> tuple[list[dict], Tra
                                      unit=" steps", ascii=" #", bar_format=PROGRESS)
       progress(f"{meter} loss {record['train_loss']:.4f}")
     if step % t.eval_every == 0 or step == t.steps:
-      log.write(dict(kind="eval", step=step, **checked_eval(evaluate(state), step), **timing()))
+      log.write(dict(kind="eval", step=step, **checked_eval(evaluate(state, final=step == t.steps), step),
+                     **timing()))
     if step % t.checkpoint_every == 0 or step == end:
       raise_if_nonfinite(state)
       checkpoints.save(step, args=ocp.args.StandardSave(state))

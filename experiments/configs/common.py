@@ -156,7 +156,7 @@ def training_config(name: str, task: str, quick: bool) -> ml_collections.ConfigD
   config.model.num_layers = 2  # pre-norm Transformer blocks
   config.model.num_heads = 4  # attention heads; head dim = d_model / num_heads
   config.model.mlp_dim = 256  # hidden width of each block's GELU MLP
-  config.model.positions = "rotary"  # "learned" (absolute embeddings) or "rotary" (applied to q, k)
+  config.model.positions = "rotary"  # "learned" (absolute embeddings), "rotary" (applied to q, k) or "none"
   config.model.short_conv = 0  # > 0: each block opens with a residual causal depthwise conv this wide (Based)
 
   config.attention = ml_collections.ConfigDict()
@@ -168,6 +168,8 @@ def training_config(name: str, task: str, quick: bool) -> ml_collections.ConfigD
   config.attention.chunk_size = 64  # causal FAVOR: tokens per chunk of the chunked prefix sum
   config.attention.window = 0  # > 0: exact attention over the nearest `window` keys, the kernel beyond
   config.attention.qk_head_dim = 0  # FAVOR: query/key head dim (0 = the model's; Based: 16 with taylor)
+  config.attention.forget_gate = False  # causal LMs: a learned per-head forget gate (FoX), softmax or FAVOR
+  config.attention.alibi = False  # causal LMs: ALiBi's fixed per-head gate (log f = -slope), softmax or FAVOR
 
   config.train = ml_collections.ConfigDict()
   config.train.seed = 0  # parameters, projection draws and the data stream

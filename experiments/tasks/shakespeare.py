@@ -259,32 +259,56 @@ def check_data(data) -> None:
     positive_int(f"data.{name}", data[name])
   if not data.valid_plays:
     raise ValueError("data.valid_plays must name at least one play")
+  pack, lengths = data.get("pack", False), data.get("eval_lengths", ())
+  if not isinstance(pack, bool):
+    raise ValueError(f"data.pack must be True or False, got {pack!r}")
+  if not isinstance(lengths, (tuple, list)):
+    raise ValueError(f"data.eval_lengths must be a tuple of lengths, got {lengths!r}")
+  for length in lengths:
+    positive_int("data.eval_lengths[i]", length)
 
 
 def make_task(data, batch_size: int, seed: int) -> Task:
+  """The task of ``data``: random training windows of ``seq_len`` characters, evenly spaced held-out ones;
+  ``data.pack``: each play is a document, a window carries the play of each character as its segment id
+  (attention never crosses into the next play, whose first character is no target of the last one's);
+  ``data.eval_lengths``: held-out sets of those lengths, each of as many characters as the main one."""
   check_data(data)
   texts = plays(data.text_dir or fetch())
   missing = sorted(set(data.valid_plays) - set(texts))
   if missing:
     raise ValueError(f"data.valid_plays names {missing}, not among the plays {sorted(texts)}")
-  join = lambda names: np.frombuffer(b"\n\n".join(texts[n] for n in names), np.uint8).astype(np.int32)
+  pack = data.get("pack", False)
+
+  def join(names):  # (characters, play index of each; a separator belongs to the play before it)
+    parts = [texts[n] + (b"\n\n" if i < len(names) - 1 else b"") for i, n in enumerate(names)]
+    ids = np.repeat(np.arange(len(parts), dtype=np.int32), [len(p) for p in parts])
+    return np.frombuffer(b"".join(parts), np.uint8).astype(np.int32), ids
+
   train = join([n for n in texts if n not in data.valid_plays])
   valid = join(list(data.valid_plays))
-  window = data.seq_len + 1
-  if min(len(train), len(valid)) < window:
-    raise ValueError(f"data.seq_len {data.seq_len} is longer than the train or validation text")
+  lengths = tuple(data.get("eval_lengths", ()))
+  if min(len(train[0]), len(valid[0])) < max((data.seq_len,) + lengths) + 1:
+    raise ValueError(f"data.seq_len {data.seq_len} or data.eval_lengths {lengths} is longer than the train or "
+                     "validation text")
 
-  def windows(text, starts):
-    chunk_BL = np.stack([text[s:s + window] for s in starts])
-    return Batch(chunk_BL[:, :-1], chunk_BL[:, 1:], np.ones((len(starts), data.seq_len), np.float32))
+  def windows(text, starts, length=data.seq_len):
+    (chars, ids), idx_BL = text, np.asarray(starts)[:, None] + np.arange(length + 1)
+    chunk_BL, doc_BL = chars[idx_BL], ids[idx_BL]
+    if not pack:
+      return Batch(chunk_BL[:, :-1], chunk_BL[:, 1:], np.ones((len(starts), length), np.float32))
+    weights_BL = (doc_BL[:, 1:] == doc_BL[:, :-1]).astype(np.float32)
+    return Batch(chunk_BL[:, :-1], chunk_BL[:, 1:], weights_BL, doc_BL[:, :-1])
 
   def train_batch(position):
-    return windows(train, stream_rng(seed, 0, position).integers(0, len(train) - window + 1, batch_size))
+    starts = stream_rng(seed, 0, position).integers(0, len(train[0]) - data.seq_len, batch_size)
+    return windows(train, starts)
 
-  # Evaluation: evenly spaced windows over the whole validation text, the same for every run.
-  count = data.num_eval_batches * batch_size
-  starts = np.linspace(0, len(valid) - window, count).astype(np.int64)
-  eval_batches = [windows(valid, starts[i:i + batch_size]) for i in range(0, count, batch_size)]
+  def held_out(length):  # evenly spaced windows over the whole validation text, the same for every run
+    count = max(1, data.num_eval_batches * batch_size * data.seq_len // length)
+    starts = np.linspace(0, len(valid[0]) - length - 1, count).astype(np.int64)
+    return [windows(valid, starts[i:i + batch_size], length) for i in range(0, count, batch_size)]
+
   return Task(name="shakespeare", vocab_size=256, num_classes=NUM_CLASSES, metric="eval_bpc",
-              max_len=data.seq_len,
-              train_batch=train_batch, eval_batches=eval_batches)
+              max_len=max((data.seq_len,) + lengths), train_batch=train_batch, eval_batches=held_out(data.seq_len),
+              length_evals=tuple((length, held_out(length)) for length in lengths))

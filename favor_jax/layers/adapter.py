@@ -8,6 +8,7 @@ from jaxtyping import Array, Float
 
 from favor_jax import core
 from favor_jax.layers.attend import attend
+from favor_jax.layers.gates import layer_log_gate
 from favor_jax.layers.inputs import check_dropout, key_mask_from_flax, precision_scope
 from favor_jax.layers.settings import FavorSettings
 
@@ -21,6 +22,8 @@ def make_attention_fn(
     chunk_size: int = 64,
     window: int = 0,
     causal_method: str = "auto",
+    alibi: bool = False,
+    forget_gate: bool = False,
 ) -> Callable[..., Array]:
   """Makes an ``attention_fn`` computing :func:`~favor_jax.core.favor_attention` with a fixed projection.
 
@@ -41,6 +44,12 @@ def make_attention_fn(
       (:func:`~favor_jax.core.hybrid_attention`).
     causal_method: as in :func:`~favor_jax.core.favor_attention` (``"auto"``: fused Pallas kernels on a GPU
       where they apply).
+    alibi: ALiBi's fixed per-head forget gate (log f = −m_h, ``core.alibi_slopes``), causal attention only
+      (``causal=True``, or ``is_causal=True`` at the call; a bidirectional call raises).
+    forget_gate: refused when True: the learned gate is a function of the layer's input, which an
+      ``attention_fn`` never sees (use ``FavorAttention(..., forget_gate=True)``). Packed documents cannot
+      pass either: Flax gives an ``attention_fn`` no segment ids, and a segment mask [batch, 1, L, L] is a full
+      mask, refused like any other (use ``FavorAttention``'s ``segment_ids``).
 
   Returns:
     ``attention_fn(query, key, value, bias=None, mask=None, ...)`` with Flax's signature: query
@@ -48,15 +57,20 @@ def make_attention_fn(
     when given).
 
   Raises:
-    ValueError: here, if a setting is invalid (as ``FavorSettings.build`` checks: kernel, ``chunk_size``,
-      ``window``, ``causal_method``); at a call, for a ``bias``, ``sow_weights`` (``module``), custom
-      weight einsums, attention dropout, an unknown keyword with a non-default value, a full mask it cannot
-      read as key padding, or causal/window attention with Lq ≠ Lk.
+    ValueError: here, for ``forget_gate=True`` or an invalid setting (as ``FavorSettings.build`` checks:
+      kernel, ``chunk_size``, ``window``, ``causal_method``, ``alibi``); at a call, for a ``bias``,
+      ``sow_weights`` (``module``), custom weight einsums, attention dropout, an unknown keyword with a
+      non-default value, a full mask it cannot read as key padding, causal/window attention with Lq ≠ Lk,
+      or ``alibi`` in bidirectional attention.
     TypeError: here or at a call, for a non-bool ``causal`` or ``is_causal``.
   """
+  if forget_gate is not False:
+    raise ValueError(f"forget_gate={forget_gate!r}: make_attention_fn cannot learn a forget gate, which is a "
+                     "function of the layer's input and Flax's attention_fn is given only the query, key and value; "
+                     "use favor_jax.layers' FavorAttention(..., forget_gate=True) (alibi=True works here)")
   # Checked here, once, not at each call; NNX may still ask for causal attention at the call (is_causal).
   settings = FavorSettings.build(kernel=kernel, causal=causal, chunk_size=chunk_size, window=window,
-                                 causal_method=causal_method, causal_at_call=True)
+                                 causal_method=causal_method, alibi=alibi, causal_at_call=True)
 
   def attention_fn(query, key, value, bias=None, mask=None, broadcast_dropout=True, dropout_rng=None,
                    dropout_rate=0.0, deterministic=False, dtype=None, precision=None, module=None,
@@ -84,9 +98,13 @@ def make_attention_fn(
           "passes one query against the cached keys with a mask that is already causal: decode with an "
           "attention_fn made with causal=False (and window=0), or use favor_jax's FavorAttention layers, "
           "whose decode keeps a constant-size state.")
+    if alibi and not causal_now:
+      raise ValueError("alibi=True needs causal attention (a forget gate decays the keys before a query): make "
+                       "the attention_fn with causal=True or call it with is_causal=True")
+    log_gate = layer_log_gate(None, alibi, query.shape[:-1])
     with precision_scope(precision):
       out = attend(query, key, value, projection, settings, causal=causal_now,
-                   key_mask=key_mask_from_flax(mask, key), rho=rho)
+                   key_mask=key_mask_from_flax(mask, key), rho=rho, log_gate=log_gate)
     return out if dtype is None else out.astype(dtype)
 
   return attention_fn

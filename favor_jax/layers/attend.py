@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from favor_jax import core, parallel
-from favor_jax.layers import statistic
+from favor_jax.layers import gates, statistic
 from favor_jax.layers.settings import FavorSettings, is_data_dependent
 
 
 def attend(query, key, value, projection, settings: FavorSettings, *, causal: bool | None = None, key_mask=None,
-           query_mask=None, rho=None):
+           query_mask=None, rho=None, log_gate=None, segment_ids=None):
   """Attention of a layer of ``settings`` (checked when they were built, so nothing is checked again here).
 
   ``core.favor_attention``, or ``core.hybrid_attention`` (exact softmax within ``settings.window``) if the
@@ -23,12 +23,15 @@ def attend(query, key, value, projection, settings: FavorSettings, *, causal: bo
     causal: this call's direction (None: ``settings.causal``; ``make_attention_fn`` reads NNX's ``is_causal``).
     key_mask, query_mask: [..., L] padding (False: padded).
     rho: a data-dependent kernel's statistic (None: computed from this batch).
+    log_gate: [..., L, H] the layer's log forget gate (``layers.gates.layer_log_gate``; None: ungated).
+    segment_ids: [..., L] packed documents (a segment is a run of equal consecutive ids).
 
   Returns:
     [..., L, H, Dv].
   """
   causal = settings.causal if causal is None else causal
   kwargs = dict(kernel=settings.kernel, causal=causal, key_mask=key_mask, rho=rho, chunk_size=settings.chunk_size)
+  kwargs.update(gates.gate_kwargs(log_gate, segment_ids))
   if settings.sequence_axis is not None:
     if rho is None and is_data_dependent(settings.kernel):
       kwargs["rho"] = statistic.statistic_of(settings.kernel, query, key, key_mask, query_mask)

@@ -33,7 +33,7 @@ from jax import Array
 from jax.sharding import Mesh
 
 from favor_jax import core
-from favor_jax.layers import inputs, statistic
+from favor_jax.layers import gates, inputs, statistic
 from favor_jax.layers.attend import attend
 from favor_jax.layers.projection import layer_projection, redraw_projection
 from favor_jax.layers.settings import PROJECTIONS, FavorSettings
@@ -129,9 +129,18 @@ class FavorAttention(nn.MultiHeadDotProductAttention):
       (``parallel.sequence_parallel_attention``); not with decode or a window.
     sequence_axis: the mesh axis the sequence is split over (with ``mesh``).
     batch_axis: an optional mesh axis the batch is split over.
+    forget_gate: causal only: a learned per-head forget gate f_l = σ(x_l·w_h + b_h) from the keys' input x
+      (the layer's input in self-attention), the Forgetting Transformer's; ``params/forget_gate``
+      (``kernel`` [features, H], zero at init; ``bias`` [H], ``layers.gates.FORGET_GATE_BIAS`` at init, so
+      every gate starts at σ(5) ≈ 0.993).
+    alibi: causal only: ALiBi's fixed per-head gate log f = −m_h (``core.alibi_slopes``). With both, the
+      log gates add.
 
   References:
     Choromanski et al. 2021, "Rethinking Attention with Performers" (ICLR).
+    Lin et al. 2025, "Forgetting Transformer: Softmax Attention with a Forget Gate" (ICLR).
+    Press et al. 2022, "Train Short, Test Long: Attention with Linear Biases Enables Input Length
+    Extrapolation" (ICLR).
   """
   num_features: int | None = None
   kernel: str = "positive"
@@ -147,6 +156,8 @@ class FavorAttention(nn.MultiHeadDotProductAttention):
   mesh: Mesh | None = None
   sequence_axis: str | None = None
   batch_axis: str | None = None
+  forget_gate: bool = False
+  alibi: bool = False
 
   @functools.cached_property
   def settings(self) -> FavorSettings:
@@ -161,11 +172,12 @@ class FavorAttention(nn.MultiHeadDotProductAttention):
         per_head_projection=self.per_head_projection, causal=self.causal, causal_method=self.causal_method,
         chunk_size=self.chunk_size, window=self.window, qk_head_dim=self.qk_head_dim,
         rho_momentum=self.rho_momentum, decode=self.decode, qk_transform=self.qk_transform, mesh=self.mesh,
-        sequence_axis=self.sequence_axis, batch_axis=self.batch_axis)
+        sequence_axis=self.sequence_axis, batch_axis=self.batch_axis, forget_gate=self.forget_gate,
+        alibi=self.alibi)
 
   @nn.compact
   def __call__(self, inputs_q, inputs_k=None, inputs_v=None, *, mask=None, deterministic=None,
-               dropout_rng=None, sow_weights=False, query_mask=None):
+               dropout_rng=None, sow_weights=False, query_mask=None, segment_ids=None):
     """Applies FAVOR attention to the inputs, projected as ``nn.MultiHeadDotProductAttention`` does.
 
     Args:
@@ -180,6 +192,9 @@ class FavorAttention(nn.MultiHeadDotProductAttention):
       query_mask: optional bool [batch..., Lq], False for a padded query, which FAVOR++'s and FAVOR#'s
         statistic leaves out. In self-attention it defaults to the key padding; pass it in padded
         cross-attention.
+      segment_ids: optional int [batch..., L], packed documents: a segment is a run of equal consecutive
+        ids, and no pair crosses one (padding stays ``mask``). Decoding starts afresh at a token whose id
+        differs from the one before it.
 
     Returns:
       The output, [batch..., Lq, out_features] (``out_features`` or the inputs' features).
@@ -213,15 +228,23 @@ class FavorAttention(nn.MultiHeadDotProductAttention):
       query, key = ln("query_ln")(query), ln("key_ln")(key)
     query, key = inputs.transform_qk(self.qk_transform, query, key)
     projection = self._projection(settings, qk_dim)
+    logit = None
+    if settings.forget_gate:
+      kernel_init, bias_init = gates.forget_gate_init()
+      logit = nn.DenseGeneral(features=self.num_heads, axis=-1, dtype=jnp.float32, param_dtype=self.param_dtype,
+                              kernel_init=kernel_init, bias_init=bias_init, precision=self.precision,
+                              name="forget_gate")(inputs_k)
+    log_gate = gates.layer_log_gate(logit, settings.alibi, key.shape[:-1])
 
     deterministic = inputs.resolve_deterministic(self.dropout_rate, self.deterministic, deterministic)
     key_mask, query_mask = inputs.padding_masks(mask, inputs_q, inputs_k, key, query_mask, query)
     rho = self._running_statistic(settings, query, key, key_mask, query_mask, train=not deterministic)
     with inputs.precision_scope(self.precision):
       if self.decode:
-        x = self._decode(settings, query, key, value, projection, key_mask, rho)
+        x = self._decode(settings, query, key, value, projection, key_mask, rho, log_gate, segment_ids)
       else:
-        x = attend(query, key, value, projection, settings, key_mask=key_mask, query_mask=query_mask, rho=rho)
+        x = attend(query, key, value, projection, settings, key_mask=key_mask, query_mask=query_mask, rho=rho,
+                   log_gate=log_gate, segment_ids=segment_ids)
     return nn.DenseGeneral(
         features=features, axis=(-2, -1), kernel_init=self.out_kernel_init or self.kernel_init,
         bias_init=self.out_bias_init or self.bias_init, use_bias=self.use_bias, dtype=self.dtype,
@@ -270,7 +293,7 @@ class FavorAttention(nn.MultiHeadDotProductAttention):
                                                query_mask)
     return used
 
-  def _decode(self, settings, query, key, value, projection, key_mask, rho):
+  def _decode(self, settings, query, key, value, projection, key_mask, rho, log_gate, segment_ids):
     empty = lambda: core.favor_decode_init(query[..., :1, :, :], value[..., :1, :, :], projection,
                                            kernel=self.kernel, window=self.window)
     state_type = type(jax.eval_shape(empty))  # RecurrentState, or HybridState with a window
@@ -287,11 +310,13 @@ class FavorAttention(nn.MultiHeadDotProductAttention):
       state = empty()
       for name in fields:
         self.variable("cache", name, lambda name=name: getattr(state, name))
-      return attend(query, key, value, projection, settings, key_mask=key_mask, rho=rho)
+      return attend(query, key, value, projection, settings, key_mask=key_mask, rho=rho, log_gate=log_gate,
+                    segment_ids=segment_ids)
     cache = [self.variable("cache", name) for name in fields]
     state = state_type(*(c.value for c in cache))
     state, x = core.favor_decode_step(state, query, key, value, projection, kernel=self.kernel, key_mask=key_mask,
-                                      rho=rho, chunk_size=self.chunk_size, window=self.window)
+                                      rho=rho, chunk_size=self.chunk_size, window=self.window,
+                                      **gates.gate_kwargs(log_gate, segment_ids))
     for c, new in zip(cache, state):
       c.value = new
     return x

@@ -21,7 +21,7 @@ from flax.nnx.nn.attention import default_kernel_init
 from jax.sharding import Mesh
 
 from favor_jax import core
-from favor_jax.layers import inputs, statistic
+from favor_jax.layers import gates, inputs, statistic
 from favor_jax.layers.attend import attend
 from favor_jax.layers.projection import layer_projection, redraw_projection
 from favor_jax.layers.settings import FavorSettings
@@ -114,6 +114,10 @@ class FavorAttention(nnx.MultiHeadAttention):
     batch_axis: an optional mesh axis the batch is split over.
     qk_transform: ``(query, key) -> (query, key)`` applied to the [..., L, H, D] projections (after
       ``normalize_qk``) before the features, e.g. rotary embeddings; not with decode.
+    forget_gate: causal only: a learned per-head gate f_l = σ(x_l·w_h + b_h) from the keys' input (FoX),
+      the ``nnx.Linear`` ``forget_gate`` (weight zero, bias ``layers.gates.FORGET_GATE_BIAS`` at init).
+    alibi: causal only: ALiBi's fixed gate log f = −m_h (``core.alibi_slopes``); with ``forget_gate``, the
+      log gates add.
     rngs: ``nnx.Rngs`` for the parameters and the projection's draw.
     **flax_kwargs: the other arguments of ``nnx.MultiHeadAttention`` (``decode``, ``dropout_rate``,
       ``normalize_qk``, initialisers, dtypes, ...), but ``attention_fn``.
@@ -124,6 +128,9 @@ class FavorAttention(nnx.MultiHeadAttention):
 
   References:
     Choromanski et al. 2021, "Rethinking Attention with Performers" (ICLR).
+    Lin et al. 2025, "Forgetting Transformer: Softmax Attention with a Forget Gate" (ICLR).
+    Press et al. 2022, "Train Short, Test Long: Attention with Linear Biases Enables Input Length
+    Extrapolation" (ICLR).
   """
 
   def __init__(self, num_heads: int, in_features: int, qkv_features: int | None = None,
@@ -132,7 +139,7 @@ class FavorAttention(nnx.MultiHeadAttention):
                qk_head_dim: int | None = None, causal: bool = False, chunk_size: int = 64,
                causal_method: str = "auto", rho_momentum: float | None = None, mesh: Mesh | None = None,
                sequence_axis: str | None = None, batch_axis: str | None = None, qk_transform=None,
-               rngs: nnx.Rngs, **flax_kwargs):
+               forget_gate: bool = False, alibi: bool = False, rngs: nnx.Rngs, **flax_kwargs):
     if "attention_fn" in flax_kwargs:
       raise ValueError("FavorAttention computes its own attention; do not pass attention_fn")
     if flax_kwargs.get("num_kv_heads") not in (None, num_heads):
@@ -142,7 +149,7 @@ class FavorAttention(nnx.MultiHeadAttention):
         kernel=kernel, num_features=num_features, projection=projection, per_head_projection=per_head_projection,
         causal=causal, causal_method=causal_method, chunk_size=chunk_size, window=window, qk_head_dim=qk_head_dim,
         rho_momentum=rho_momentum, decode=flax_kwargs.get("decode", False), qk_transform=qk_transform, mesh=mesh,
-        sequence_axis=sequence_axis, batch_axis=batch_axis)
+        sequence_axis=sequence_axis, batch_axis=batch_axis, forget_gate=forget_gate, alibi=alibi)
     super().__init__(num_heads, in_features, qkv_features, out_features, rngs=rngs, **flax_kwargs)
     self.settings = settings
     self.kernel = kernel
@@ -165,6 +172,10 @@ class FavorAttention(nnx.MultiHeadAttention):
     self.statistic = (FavorStats(statistic.initial_statistic(kernel, num_heads, self.qk_head_dim))
                       if settings.keeps_statistic else nnx.data(None))
     self.decode_state = nnx.data(None)
+    kernel_init, bias_init = gates.forget_gate_init(self.param_dtype)
+    self.forget_gate = (nnx.Linear(self.in_kv_features, num_heads, kernel_init=kernel_init, bias_init=bias_init,
+                                   param_dtype=self.param_dtype, precision=self.precision, rngs=rngs)
+                        if forget_gate else nnx.data(None))
 
   def _rebuild_query_key(self, flax_kwargs, rngs) -> None:
     """Query and key maps (and their LayerNorms) to ``qk_head_dim`` per head instead of the value's."""
@@ -250,7 +261,7 @@ class FavorAttention(nnx.MultiHeadAttention):
 
   def __call__(self, inputs_q, inputs_k=None, inputs_v=None, *, mask=None, deterministic=None,
                rngs=None, sow_weights=False, decode=None, is_causal=False, out_sharding=None, qkv_sharding=None,
-               query_mask=None):
+               query_mask=None, segment_ids=None):
     """Applies FAVOR attention to the inputs, projected as ``nnx.MultiHeadAttention`` does.
 
     Args:
@@ -268,6 +279,8 @@ class FavorAttention(nnx.MultiHeadAttention):
       query_mask: optional bool [batch..., Lq], False for a padded query, left out of FAVOR++'s and
         FAVOR#'s statistic; in self-attention it defaults to the key padding of ``mask``; give it in
         padded cross-attention.
+      segment_ids: optional int [batch..., L], packed documents (no pair crosses a segment; decoding starts
+        afresh at a new id); padding stays ``mask``.
 
     Returns:
       The output, [batch..., Lq, out_features].
@@ -308,14 +321,18 @@ class FavorAttention(nnx.MultiHeadAttention):
         self.statistic.set_value(
             statistic.updated_statistic(self.kernel, rho, query, key, key_mask, self.rho_momentum, query_mask))
     projection = self._projection()
+    logit = None if self.forget_gate is None else self.forget_gate(inputs_k.astype(jnp.float32))
+    log_gate = gates.layer_log_gate(logit, self.settings.alibi, key.shape[:-1])
     with inputs.precision_scope(self.precision):
       if decode:
         if self.decode_state is None:
           raise ValueError("decode=True needs the recurrent state: call init_cache(input_shape) first")
         state, x = core.favor_decode_step(self.decode_state.get_value(), query, key, value, projection,
                                           kernel=self.kernel, key_mask=key_mask, rho=rho,
-                                          chunk_size=self.chunk_size, window=self.window)
+                                          chunk_size=self.chunk_size, window=self.window,
+                                          **gates.gate_kwargs(log_gate, segment_ids))
         self.decode_state.set_value(state)
       else:
-        x = attend(query, key, value, projection, self.settings, key_mask=key_mask, query_mask=query_mask, rho=rho)
+        x = attend(query, key, value, projection, self.settings, key_mask=key_mask, query_mask=query_mask, rho=rho,
+                   log_gate=log_gate, segment_ids=segment_ids)
     return self.out(x)

@@ -148,6 +148,17 @@ def check_qk_transform(qk_transform) -> None:
     raise TypeError(f"qk_transform must be a callable (query, key) -> (query, key), got {type(qk_transform).__name__}")
 
 
+def check_gates(forget_gate, alibi, causal: bool, prefix: str = "") -> None:
+  """``forget_gate`` and ``alibi`` bools, True only for causal attention (a gate decays what came before:
+  bidirectional attention has no before)."""
+  for name, value in (("forget_gate", forget_gate), ("alibi", alibi)):
+    core.checks.check_bool(prefix + name, value)
+    if value and not causal:
+      raise ValueError(f"{prefix}{name}=True needs causal attention (a forget gate decays the keys before a query; "
+                       f"bidirectional attention has no before): build the layer with causal=True or drop "
+                       f"{prefix}{name}")
+
+
 def resolve_rho_momentum(rho_momentum, kernel, causal: bool) -> float | None:
   """The momentum of the layer's running statistic: ``RHO_MOMENTUM`` if not given. Only causal layers of a
   data-dependent kernel (FAVOR++, FAVOR#) keep one; a value given to any other layer is refused, not
@@ -185,6 +196,8 @@ class FavorSettings:
     mesh: the mesh of sequence-parallel attention (with ``sequence_axis``).
     sequence_axis: ``mesh``'s axis splitting the sequence.
     batch_axis: ``mesh``'s axis splitting the batch.
+    forget_gate: a learned per-head forget gate from the layer's input (FoX; ``layers.gates``), causal only.
+    alibi: ALiBi's fixed per-head gate log f = −m_h (``core.alibi_slopes``), causal only.
   """
   kernel: str | Callable[..., Any] = "positive"
   num_features: int | None = None
@@ -201,20 +214,25 @@ class FavorSettings:
   mesh: Any = None
   sequence_axis: str | None = None
   batch_axis: str | None = None
+  forget_gate: bool = False
+  alibi: bool = False
 
   @classmethod
   def build(cls, *, kernel="positive", num_features=None, projection=None, per_head_projection=None,
             causal=False, causal_method="auto", chunk_size=64, window=0, qk_head_dim=None, rho_momentum=None,
             decode=False, qk_transform=None, mesh=None, sequence_axis=None, batch_axis=None,
-            causal_at_call: bool = False, unused_projection: str = "refuse", prefix: str = "") -> FavorSettings:
+            forget_gate=False, alibi=False, causal_at_call: bool = False, unused_projection: str = "refuse",
+            prefix: str = "") -> FavorSettings:
     """The settings of these arguments, each rule checked once (ValueError/TypeError naming the argument).
 
     Args:
       kernel, num_features, projection, per_head_projection, causal, causal_method, chunk_size, window,
-        qk_head_dim, rho_momentum, decode, qk_transform, mesh, sequence_axis, batch_axis: the fields
+        qk_head_dim, rho_momentum, decode, qk_transform, mesh, sequence_axis, batch_axis, forget_gate, alibi:
+        the fields
         (``rho_momentum`` None: ``RHO_MOMENTUM`` where the layer keeps a statistic; ``decode`` None: False).
       causal_at_call: the call may still ask for causal attention (``make_attention_fn``'s ``is_causal``),
-        so "pallas" is not refused for ``causal=False`` here: the call refuses it if still bidirectional.
+        so "pallas" and ``alibi`` are not refused for ``causal=False`` here: the call refuses them if still
+        bidirectional.
       unused_projection: "refuse" ``num_features``/``projection`` for a kernel without a random projection;
         "drop": leave them out of its settings (a config holds them for every kernel; they are still
         checked for form).
@@ -237,6 +255,7 @@ class FavorSettings:
     check_decode(decode, qk_transform=qk_transform, sequence_axis=sequence_axis)
     check_sequence_parallel(mesh, sequence_axis, window=window, batch_axis=batch_axis)
     check_qk_transform(qk_transform)
+    check_gates(forget_gate, alibi, causal or causal_at_call, prefix)
     momentum = resolve_rho_momentum(rho_momentum, kernel, causal)
     if unused_projection == "drop" and projection_role(kernel) != "random":
       num_features = projection = None
@@ -244,7 +263,7 @@ class FavorSettings:
                per_head_projection=per_head_projection, causal=causal, causal_method=causal_method,
                chunk_size=chunk_size, window=window, qk_head_dim=qk_head_dim, rho_momentum=momentum,
                decode=bool(decode), qk_transform=qk_transform, mesh=mesh, sequence_axis=sequence_axis,
-               batch_axis=batch_axis)
+               batch_axis=batch_axis, forget_gate=bool(forget_gate), alibi=bool(alibi))
 
   def check_decode_at_call(self) -> None:
     """NNX's ``decode=True`` given at the call to a layer built without it: what decoding cannot do with
@@ -272,6 +291,11 @@ class FavorSettings:
   def projection_kind(self) -> str:
     """The projection kind drawn (``DEFAULT_PROJECTION`` when not given)."""
     return DEFAULT_PROJECTION if self.projection is None else self.projection
+
+  @property
+  def gated(self) -> bool:
+    """Whether the layer's attention is gated (``forget_gate`` or ``alibi``)."""
+    return self.forget_gate or self.alibi
 
   @property
   def keeps_statistic(self) -> bool:

@@ -20,7 +20,7 @@ from favor_jax.layers import settings
 B, L, H, F, M = 1, 8, 2, 8, 4
 # Every check FavorSettings.build runs, one per argument (or per rule tying arguments together).
 CHECKS = ("check_flags", "check_kernel", "check_causal_method", "check_projection_fields", "check_sizes",
-          "check_decode", "check_sequence_parallel", "check_qk_transform", "resolve_rho_momentum")
+          "check_decode", "check_sequence_parallel", "check_qk_transform", "check_gates", "resolve_rho_momentum")
 # The core primitives those checks use, with the argument each call checks (its name, where it takes one).
 CORE = ("check_bool", "check_causal_method", "check_window", "check_positive_int")
 
@@ -54,7 +54,8 @@ def counted():
 
 def assert_once(layer_calls, core_calls):
   assert dict(layer_calls) == {name: 1 for name in CHECKS}
-  want = {("check_bool", "causal"): 1, ("check_bool", "decode"): 1, ("check_causal_method", None): 1,
+  want = {("check_bool", "causal"): 1, ("check_bool", "decode"): 1, ("check_bool", "forget_gate"): 1,
+          ("check_bool", "alibi"): 1, ("check_causal_method", None): 1,
           ("check_window", None): 1, ("check_positive_int", "num_features"): 1,
           ("check_positive_int", "chunk_size"): 1, ("check_positive_int", "qk_head_dim"): 1}
   assert dict(core_calls) == want
