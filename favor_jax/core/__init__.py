@@ -26,6 +26,7 @@ exact local window to any of them (Scatterbrain, Chen et al. 2021).
 """
 
 from favor_jax.core import kernels
+from favor_jax.core.gates import alibi_log_gate, alibi_slopes
 from favor_jax.core.attention import (
     favor_attention,
     favor_decode_init,
@@ -48,6 +49,8 @@ from favor_jax.core.shared import RecurrentState
 from favor_jax.core.weights import attention_weights
 
 __all__ = [
+    "alibi_log_gate",
+    "alibi_slopes",
     "attention_weights",
     "HybridState",
     "hybrid_attention",

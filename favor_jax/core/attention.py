@@ -10,11 +10,12 @@ import math
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Bool, Float
+from jaxtyping import Array, Bool, Float, Int
 
 from favor_jax.core import bidirectional as bidirectional_lib
 from favor_jax.core import causal as causal_lib
 from favor_jax.core import checks, shared
+from favor_jax.core import gates as gates_lib
 from favor_jax.core import hybrid as hybrid_lib
 from favor_jax.core import kernels as kernels_lib
 
@@ -31,21 +32,33 @@ def softmax_attention(
     *,
     causal: bool = False,
     key_mask: Bool[Array, "... Lk"] | None = None,
+    log_gate: Float[Array, "... L H"] | None = None,
+    segment_ids: Int[Array, "... L"] | None = None,
 ) -> Float[Array, "... Lq H Dv"]:
   """Exact attention, softmax(q kᵀ/√d) v (Vaswani et al. 2017); the reference FAVOR estimates.
 
-  A query that can see no key (all masked) returns 0.
+  A query that can see no key (all masked) returns 0. ``log_gate`` (causal only): log of a forget gate
+  f_l ∈ [0, 1] per position and head (≤ 0, −∞ allowed), the logits biased by Σ_{j<l≤t} log f_l (the
+  Forgetting Transformer, Lin et al. 2025; a constant −m_h per head is ALiBi, Press et al. 2022:
+  :func:`alibi_log_gate`). ``segment_ids``: packed documents; a segment is a run of equal consecutive ids,
+  and only pairs within one attend (causal: a gate of 0 at each segment's first position). A NaN, +∞ or
+  positive log gate is a bad input: NaN in the rows that may see its position (as a NaN key).
+
+  Raises:
+    ValueError, TypeError: a bad argument (named), ``log_gate`` with ``causal=False``.
   """
   shared.validate(query, key, value, key_mask, causal)
+  gates = gates_lib.prepare(log_gate, segment_ids, query, causal)
   batch = query.shape[:-3]
   mask = shared.mask_NL(key_mask, key)
   q, k, v, bad, _ = shared.split_nonfinite(*(shared.flatten(x, batch) for x in (query, key, value)), mask,
-                                              causal=causal)
+                                              causal=causal, gates=gates)
   f32 = jnp.float32
   logits = jnp.einsum("nqhd,nkhd->nhqk", q.astype(f32), k.astype(f32)) / math.sqrt(query.shape[-1])
   allowed = mask[:, None, None, :]
   if causal:
     allowed = allowed & jnp.tril(jnp.ones(logits.shape[-2:], bool))
+  logits = gates_lib.biased(logits, gates, causal)
   logits = jnp.where(allowed, logits, -jnp.inf)
   peak = jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
   weights = jnp.exp(logits - jnp.where(jnp.isfinite(peak), peak, 0.0))
@@ -54,18 +67,22 @@ def softmax_attention(
   return out.reshape(batch + out.shape[1:]).astype(shared.out_dtype(query, key, value))
 
 
-def _run(feature_fn, query, key, value, key_mask, causal, causal_method, chunk_size):
+def _run(feature_fn, query, key, value, key_mask, causal, causal_method, chunk_size, gates=None):
   batch = query.shape[:-3]
   mask = shared.mask_NL(key_mask, key)
   q, k, v, bad, _ = shared.split_nonfinite(*(shared.flatten(x, batch) for x in (query, key, value)), mask,
-                                              causal=causal)
+                                              causal=causal, gates=gates)
   v = v.astype(jnp.float32)
-  if not causal:
+  gate = {} if gates is None or not causal else {"gate": gates.log}
+  if not causal and gates is not None:
+    out = shared.divide(*hybrid_lib.segmented(feature_fn, q, k, v, mask, gates.start, chunk_size))
+  elif not causal:
     out = bidirectional_lib.bidirectional(feature_fn, q, k, v, mask, divide=True)
   elif causal_method in ("auto", "chunked", "pallas"):
-    out = causal_lib.CAUSAL_METHODS[causal_method](feature_fn, q, k, v, mask, chunk_size=chunk_size, divide=True)
+    out = causal_lib.CAUSAL_METHODS[causal_method](feature_fn, q, k, v, mask, chunk_size=chunk_size, divide=True,
+                                                   **gate)
   else:
-    out = shared.divide(*causal_lib.CAUSAL_METHODS[causal_method](feature_fn, q, k, v, mask))
+    out = shared.divide(*causal_lib.CAUSAL_METHODS[causal_method](feature_fn, q, k, v, mask, **gate))
   out = shared.poison(out, bad)
   return out.reshape(batch + out.shape[1:]).astype(shared.out_dtype(query, key, value))
 
@@ -79,17 +96,21 @@ def linear_attention(
     key_mask: Bool[Array, "... Lk"] | None = None,
     causal_method: str = "auto",
     chunk_size: int = 64,
+    log_gate: Float[Array, "... L H"] | None = None,
+    segment_ids: Int[Array, "... L"] | None = None,
 ) -> Float[Array, "... Lq H Dv"]:
   """Normalised linear attention given features (Katharopoulos et al. 2020):
 
       out_t = Σ_j (φ_tᵀ ψ_j) v_j / Σ_j φ_tᵀ ψ_j,  over j ≤ t if ``causal``, unmasked j only.
 
   Equals ``(A v) / (A 1)`` with ``A = φ ψᵀ`` (lower-triangular if causal) without
-  forming A. Rows with a zero denominator return 0. Features are used as given.
+  forming A. Rows with a zero denominator return 0. Features are used as given. ``log_gate`` and
+  ``segment_ids`` as in :func:`favor_attention`.
   """
   shared.validate(query_features, key_features, value, key_mask, causal, "query_features", "key_features")
   checks.check_causal_method(causal_method, causal_lib.CAUSAL_METHODS, causal)
   chunk_size = checks.check_chunk_size(chunk_size)
+  gates = _gates(log_gate, segment_ids, query_features, causal, causal_method)
 
   def feature_fn(qf, kf):
     as_is = lambda x: kernels_lib.LogFeatures(None, x.astype(jnp.float32))
@@ -97,7 +118,14 @@ def linear_attention(
 
   feature_fn.layout_free = True
   return _run(feature_fn, query_features, key_features, value, key_mask, causal,
-              causal_method, chunk_size)
+              causal_method, chunk_size, gates)
+
+
+def _gates(log_gate, segment_ids, query, causal, causal_method="auto"):
+  """The call's ``gates.Gates`` (checked; None without gates); "pallas" refuses them by name."""
+  if causal and causal_method == "pallas" and (log_gate is not None or segment_ids is not None):
+    raise ValueError(causal_lib.GATES_NOT_FUSED)
+  return gates_lib.prepare(log_gate, segment_ids, query, causal)
 
 
 def favor_attention(
@@ -113,6 +141,8 @@ def favor_attention(
     causal_method: str = "auto",
     chunk_size: int = 64,
     query_mask: Bool[Array, "... Lq"] | None = None,
+    log_gate: Float[Array, "... L H"] | None = None,
+    segment_ids: Int[Array, "... L"] | None = None,
 ) -> Float[Array, "... Lq H Dv"]:
   """FAVOR attention (Choromanski et al. 2021, "Rethinking Attention with Performers"):
 
@@ -168,12 +198,25 @@ def favor_attention(
   each kernel at ω = 0: positive/hyperbolic/FAVOR++ features are then the
   same for every ω, so keys are weighted by exp(−‖k‖²/(2√d)); ReLU features
   are 0 and every row is 0; trigonometric ones weight keys by exp(+‖k‖²/(2√d)).
+
+  Forget gates and packed documents (as in :func:`softmax_attention`, whose weights this estimates): ``log_gate``
+  [..., L, H] (causal only) decays the state by f_t before key t joins: w_tj = φ(q_t)ᵀφ(k_j)·Π_{j<l≤t} f_l,
+  still an unbiased estimate of the gated softmax weight (RFA's gate, Peng et al. 2021); an addition to the
+  state's log-scale, so long runs of small gates do not underflow. ``segment_ids`` [..., L]: pairs within a
+  segment only (causal: a reset at its first position; bidirectional: a causal pass with resets and a
+  reversed one, merged; the statistic of a data-dependent kernel is still the whole row's). The fused
+  ``"pallas"`` kernels take neither (``ValueError``); ``"auto"`` then runs ``"chunked"``.
+
+  Raises:
+    ValueError, TypeError: a bad argument (named).
   """
   shared.validate(query, key, value, key_mask, causal, query_mask=query_mask)
   checks.check_causal_method(causal_method, causal_lib.CAUSAL_METHODS, causal)
   chunk_size = checks.check_chunk_size(chunk_size)
-  feature_fn = _feature_fn(kernel, projection, rho, query, key, key_mask, causal, query_mask=query_mask)
-  return _run(feature_fn, query, key, value, key_mask, causal, causal_method, chunk_size)
+  gates = _gates(log_gate, segment_ids, query, causal, causal_method)
+  feature_fn = _feature_fn(kernel, projection, rho, query, key, key_mask, causal, blocked=gates is not None,
+                           query_mask=query_mask)
+  return _run(feature_fn, query, key, value, key_mask, causal, causal_method, chunk_size, gates)
 
 
 def _feature_fn(kernel, projection, rho, query, key, key_mask, causal, blocked=False, query_mask=None):
@@ -205,6 +248,8 @@ def hybrid_attention(
     rho: Float[Array, "... H"] | Float[Array, "... H D+1"] | None = None,
     chunk_size: int = 64,
     query_mask: Bool[Array, "... Lq"] | None = None,
+    log_gate: Float[Array, "... L H"] | None = None,
+    segment_ids: Int[Array, "... L"] | None = None,
 ) -> Float[Array, "... Lq H Dv"]:
   """Exact softmax weights near each query, the kernel's estimate for all other keys, one normaliser
   (Scatterbrain: Chen et al. 2021; Based's local + global split, Arora et al. 2024):
@@ -216,23 +261,29 @@ def hybrid_attention(
   ``window=0`` is :func:`favor_attention`; a window covering the sequence is
   :func:`softmax_attention`. O(L·(window + F)·(D + Dv)) time, no [L, L] array;
   the causal stabiliser never looks ahead. Needs Lq = Lk (positions are shared).
-  Masks, non-finite inputs, ``rho`` and ``query_mask`` behave as in :func:`favor_attention`.
+  Masks, non-finite inputs, ``rho``, ``query_mask``, ``log_gate`` and ``segment_ids`` behave as in
+  :func:`favor_attention`; the exact window gets the same bias as the kernel's part.
+
+  Raises:
+    ValueError, TypeError: a bad argument (named).
   """
   shared.validate(query, key, value, key_mask, causal, query_mask=query_mask)
   checks.check_causal_lengths(query, key, "hybrid attention (its window is positions t − j, causal or not)")
   window = checks.check_window(window)
   chunk_size = checks.check_chunk_size(chunk_size)
+  gates = _gates(log_gate, segment_ids, query, causal)
   if window == 0:
     return favor_attention(query, key, value, projection, kernel=kernel, causal=causal, key_mask=key_mask,
-                           rho=rho, chunk_size=chunk_size, query_mask=query_mask)
+                           rho=rho, chunk_size=chunk_size, query_mask=query_mask, log_gate=log_gate,
+                           segment_ids=segment_ids)
   feature_fn = _feature_fn(kernel, projection, rho, query, key, key_mask, causal, blocked=True,
                            query_mask=query_mask)
   batch = query.shape[:-3]
   mask = shared.mask_NL(key_mask, key)
   q, k, v, bad, _ = shared.split_nonfinite(*(shared.flatten(x, batch) for x in (query, key, value)), mask,
-                                              causal=causal)
+                                              causal=causal, gates=gates)
   q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
-  num, den = hybrid_lib.hybrid(feature_fn, q, k, v, mask, window, causal, chunk_size)
+  num, den = hybrid_lib.hybrid(feature_fn, q, k, v, mask, window, causal, chunk_size, gates)
   out = shared.poison(shared.divide(num, den), bad)
   return out.reshape(batch + out.shape[1:]).astype(shared.out_dtype(query, key, value))
 

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 from jaxtyping import Array
 
 from favor_jax.core import causal as causal_lib
+from favor_jax.core import gates as gates_lib
 from favor_jax.core import shared
 
 LOCAL_BLOCK = 32  # the smallest query block of the exact part (larger windows use blocks of `window`)
@@ -57,11 +58,12 @@ def _exact(logits, allowed, v, spec):
   return jnp.einsum(spec, weights, v), jnp.sum(weights, axis=-1), peak
 
 
-def local(q, k, v, mask, window: int, causal: bool):
+def local(q, k, v, mask, window: int, causal: bool, gate=None, segment=None):
   """The exact part: keys with t − w < j ≤ t (causal) or |t − j| < w, unmasked.
 
   q, k [N, L, H, D] (float32), v [N, L, H, Dv], mask [N, L]. Returns num [N, L, H, Dv],
-  den and log-scale [N, L, H].
+  den and log-scale [N, L, H]. ``gate`` [N, L, H]: the logits get the decay Σ_{j<l≤t} g_l (causal);
+  ``segment`` [N, L]: only keys of the query's segment (``gates.segment_index``).
   """
   n, length, h, d = q.shape
   c = min(max(window, LOCAL_BLOCK), length)
@@ -83,6 +85,11 @@ def local(q, k, v, mask, window: int, causal: bool):
   band = ((gap >= 0) & (gap < window)) if causal else (jnp.abs(gap) < window)
   allowed = (band & m_ctx[:, :, None, :])[:, :, None]  # [N, nb, 1, C, ctx]
   logits = jnp.einsum("nbihd,nbjhd->nbhij", q_NbCHD, k_ctx) / math.sqrt(d)
+  if gate is not None:  # the decay from each context key to each query of the block (its last C positions)
+    logits = logits + gates_lib.segsum(jnp.moveaxis(context(blocks(gate), 0), 3, 2))[..., c:, :]
+  if segment is not None:
+    s_ctx = context(blocks(segment, -1), -1)
+    allowed = allowed & (blocks(segment, -1)[:, :, :, None] == s_ctx[:, :, None, :])[:, :, None]
   num, den, scale = _exact(logits, allowed, v_ctx, "nbhij,nbjhe->nbihe")
   to_rows = lambda x: x.reshape((n, nb * c) + x.shape[3:])[:, :length]
   swap = lambda x: to_rows(jnp.swapaxes(x, 2, 3))  # [N, nb, H, C] -> [N, L, H]
@@ -96,24 +103,50 @@ def _delayed(x, window, fill=0):
   return jnp.concatenate([head, x[:, :max(length - window, 0)]], axis=1)
 
 
-def distant(feature_fn, q, k, v, mask, window: int, causal: bool, chunk_size: int):
-  """The kernel part: keys with j ≤ t − w (and j ≥ t + w unless causal); (num, den, log-scale)."""
-  def before(q, k, v, mask):
-    delay = lambda x, fill=0: _delayed(x, window, fill)
-    return causal_lib.chunked(feature_fn, q, delay(k), delay(v), delay(mask, False), chunk_size=chunk_size,
-                              return_scale=True)
+def side(feature_fn, q, k, v, mask, delay: int, chunk_size: int, gate=None):
+  """Keys j ≤ t − ``delay`` by the chunked pass over the keys delayed by ``delay``: (num, den, log-scale).
 
-  terms = [before(q, k, v, mask)]
+  ``gate`` [N, L, H]: pair (t, j) decays by Σ_{j<l≤t} g_l: the slots keep the gates, and the key in slot u
+  (key u − delay) carries in Σ_{u−delay<l≤u} g_l (a window sum, no difference of running sums).
+  """
+  shift = lambda x, fill=0: _delayed(x, delay, fill) if delay else x
+  extra = {}
+  if gate is not None:
+    carried = jax.lax.reduce_window(gate, 0.0, jax.lax.add, (1, delay, 1), (1, 1, 1),
+                                    [(0, 0), (delay - 1, 0), (0, 0)]) if delay else None
+    extra = dict(gate=gate, key_offset=carried)
+  return causal_lib.chunked(feature_fn, q, shift(k), shift(v), shift(mask, False), chunk_size=chunk_size,
+                            return_scale=True, **extra)
+
+
+def reverse_gate(start):
+  """start [N, L] segment starts -> the gate [N, L, 1] of the reversed sequence: −∞ after each segment's last
+  position (pair (t, i ≥ t) of the original crosses a start in (t, i])."""
+  ends = jnp.concatenate([start[:, 1:], jnp.zeros_like(start[:, :1])], axis=1)
+  return jnp.flip(jnp.where(ends, -jnp.inf, 0.0), axis=1)[..., None]
+
+
+def distant(feature_fn, q, k, v, mask, window: int, causal: bool, chunk_size: int, gate=None, start=None):
+  """The kernel part: keys with j ≤ t − w (and j ≥ t + w unless causal); (num, den, log-scale). ``gate``
+  [N, L, H] (causal) or ``start`` [N, L] (segment starts, not causal) as in :func:`side`."""
+  if not causal and start is not None:
+    gate = jnp.broadcast_to(jnp.where(start, -jnp.inf, 0.0)[..., None], q.shape[:3])
+  terms = [side(feature_fn, q, k, v, mask, window, chunk_size, gate)]
   if not causal:
-    rev = lambda x: jnp.flip(x, axis=1)
-    terms.append(tuple(map(rev, before(rev(q), rev(k), rev(v), rev(mask)))))
+    rev = lambda x: None if x is None else jnp.flip(x, axis=1)
+    back = None if start is None else jnp.broadcast_to(reverse_gate(start), q.shape[:3])
+    terms.append(tuple(map(rev, side(feature_fn, *map(rev, (q, k, v, mask)), window, chunk_size, back))))
   return merge(*terms) + (jnp.max(jnp.stack([s for _, _, s in terms]), axis=0),)
 
 
-def hybrid(feature_fn, q, k, v, mask, window: int, causal: bool, chunk_size: int):
-  """(num, den) of hybrid attention on one common per-row scale (inputs as in ``local``)."""
-  return merge(local(q, k, v, mask, window, causal), distant(feature_fn, q, k, v, mask, window, causal,
-                                                               chunk_size))
+def hybrid(feature_fn, q, k, v, mask, window: int, causal: bool, chunk_size: int, gates=None):
+  """(num, den) of hybrid attention on one common per-row scale (inputs as in ``local``; ``gates`` a
+  ``gates.Gates``)."""
+  gate = None if gates is None else gates.log
+  start = None if gates is None or causal else gates.start
+  segment = None if start is None else gates_lib.segment_index(start)
+  return merge(local(q, k, v, mask, window, causal, gate, segment),
+               distant(feature_fn, q, k, v, mask, window, causal, chunk_size, gate, start))
 
 
 def initial_state(feature_fn, q, v, window: int) -> HybridState:
@@ -151,3 +184,13 @@ def step(feature_fn, state: HybridState, q, k, v, mask):
   t_major = lambda x: jnp.moveaxis(x, 1, 0)
   state, (num, den) = jax.lax.scan(one, state, tuple(map(t_major, (q, k, v, mask))))
   return state, jnp.moveaxis(num, 0, 1), jnp.moveaxis(den, 0, 1)
+
+
+def segmented(feature_fn, q, k, v, mask, start, chunk_size: int):
+  """Bidirectional attention within segments (start [N, L]): keys j ≤ t by the causal pass with a reset at
+  each segment start, keys j > t by the reversed one with a reset after each segment's end; (num, den)."""
+  forward = jnp.broadcast_to(jnp.where(start, -jnp.inf, 0.0)[..., None], q.shape[:3])
+  rev = lambda x: jnp.flip(x, axis=1)
+  back = jnp.broadcast_to(reverse_gate(start), q.shape[:3])
+  return merge(side(feature_fn, q, k, v, mask, 0, chunk_size, forward),
+               tuple(map(rev, side(feature_fn, *map(rev, (q, k, v, mask)), 1, chunk_size, back))))

@@ -27,7 +27,38 @@ from favor_jax.core import kernels as kernels_lib
 NEG_INF = -jnp.inf
 
 
-def split_nonfinite(q, k, v, mask, *, causal: bool, axis_name=None, prior=None):
+def _or_reset(x, y):
+  """Monoid of (reset, flag): a reset forgets the flags before it."""
+  r1, f1 = x
+  r2, f2 = y
+  return r1 | r2, f2 | (f1 & ~r2)
+
+
+def _seen_causal(bad, resets, axis_name=None):
+  """bad [N, L, H] flags of positions; [N, L, H]: a flag at some j ≤ t with no reset (resets [N, L(, H)]) in
+  (j, t], on this device or (``axis_name``) an earlier one."""
+  resets = jnp.broadcast_to(resets if resets.ndim == bad.ndim else resets[..., None], bad.shape)
+  reset_NLH, seen = jax.lax.associative_scan(_or_reset, (resets, bad), axis=1)
+  if axis_name is not None:  # (reset, flag) of each device, folded over the earlier ones
+    r_P, f_P = jax.lax.all_gather((reset_NLH[:, -1], seen[:, -1]), axis_name)
+    earlier_P = (jnp.arange(r_P.shape[0]) < jax.lax.axis_index(axis_name))[:, None, None]
+    r_P, f_P = r_P & earlier_P, f_P & earlier_P
+    carried = r_P[0], f_P[0]
+    for p in range(1, r_P.shape[0]):
+      carried = _or_reset(carried, (r_P[p], f_P[p]))
+    seen = seen | (carried[1][:, None] & ~reset_NLH)
+  return seen
+
+
+def _seen_segment(bad, start):
+  """bad [N, L, H]; [N, L, H]: a flag anywhere in t's segment (start [N, L])."""
+  fwd = _seen_causal(bad, start)
+  ends = jnp.concatenate([start[:, 1:], jnp.zeros_like(start[:, :1])], axis=1)  # t is the last of its segment
+  back = jnp.flip(_seen_causal(jnp.flip(bad, 1), jnp.flip(ends, 1)), 1)
+  return fwd | back
+
+
+def split_nonfinite(q, k, v, mask, *, causal: bool, axis_name=None, prior=None, gates=None):
   """Non-finite inputs, taken out of the computation and marked (one rule for every algorithm).
 
   Returns q, k, v with non-finite entries (and masked keys) set to 0, and ``bad`` [N, Lq, H]: the
@@ -37,13 +68,22 @@ def split_nonfinite(q, k, v, mask, *, causal: bool, axis_name=None, prior=None):
   mesh axis (inside ``shard_map``); keys on earlier devices count as seen (all
   devices', if not causal). ``prior`` [N, H]: a non-finite key came before
   (a poisoned decode state). Also returns ``seen`` [N, H]: whether the keys
-  up to the last position held one (the state after them is poisoned).
+  up to the last position held one (the state after them is poisoned). ``gates``: a ``gates.Gates``; a bad
+  log gate counts as a non-finite key at its position, and nothing is seen across a reset (causal: a −∞
+  gate; bidirectional: the rows of other segments).
   """
   finite = lambda x: jnp.all(jnp.isfinite(x), axis=-1)
   bad_kv = ~(finite(k) & finite(v)) & mask[:, :, None]
+  resets = None
+  if gates is not None:
+    bad_kv = bad_kv if gates.bad is None else bad_kv | gates.bad
+    resets = jnp.isneginf(gates.log) if causal else gates.start
   if prior is not None:
-    bad_kv = bad_kv.at[:, 0].set(bad_kv[:, 0] | prior)
-  if causal:
+    first = prior if resets is None else prior & ~(resets[:, 0] if resets.ndim == 3 else resets[:, :1])
+    bad_kv = bad_kv.at[:, 0].set(bad_kv[:, 0] | first)
+  if resets is not None:
+    seen = _seen_causal(bad_kv, resets, axis_name) if causal else _seen_segment(bad_kv, resets)
+  elif causal:
     seen = jax.lax.associative_scan(jnp.logical_or, bad_kv, axis=1)
     if axis_name is not None:
       any_P = jax.lax.all_gather(jnp.any(bad_kv, axis=1), axis_name)  # [devices, N, H]
@@ -78,7 +118,7 @@ def rescaled_sum(a, b):
   """Monoid on (log-scale m, state S): (m₁, S₁) ⊕ (m₂, S₂) = (m, S₁e^{m₁−m} + S₂e^{m₂−m}), m = max."""
   m1, s1 = a
   m2, s2 = b
-  m = jnp.maximum(m1, m2)
+  m = jax.lax.stop_gradient(jnp.maximum(m1, m2))  # a constant under grad (a gate's gradient flows through S)
   safe = finite_or_zero(m)
   return m, s1 * jnp.exp(m1 - safe)[..., None] + s2 * jnp.exp(m2 - safe)[..., None]
 

@@ -11,9 +11,10 @@ import math
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Bool, Float
+from jaxtyping import Array, Bool, Float, Int
 
 from favor_jax.core import attention, checks, shared
+from favor_jax.core import gates as gates_lib
 
 __all__ = ["attention_weights"]
 
@@ -57,6 +58,8 @@ def attention_weights(
     rho: Float[Array, "... H"] | Float[Array, "... H D+1"] | None = None,
     query_mask: Bool[Array, "... Lq"] | None = None,
     log: bool = False,
+    log_gate: Float[Array, "... L H"] | None = None,
+    segment_ids: Int[Array, "... L"] | None = None,
 ) -> Float[Array, "... H Lq Lk"]:
   """The normalised weights A [..., H, Lq, Lk] with out = A v, as the attention functions compute them.
 
@@ -72,7 +75,12 @@ def attention_weights(
   averages over) are as in :func:`favor_attention`. ``log=True``: log A, normalised
   in log domain, so a weight below float32's range keeps its log (−inf where A
   is 0); for weights that are never negative (a kernel whose record says
-  ``positive_weights``; a row with a negative weight is NaN).
+  ``positive_weights``; a row with a negative weight is NaN). ``log_gate`` and ``segment_ids``: every weight
+  (exact or the kernel's) gets the bias of :func:`softmax_attention` (Σ_{j<l≤t} log f_l; −∞ across
+  segments).
+
+  Raises:
+    ValueError, TypeError: a bad argument (named).
   """
   checks.check_bool("causal", causal)
   checks.check_bool("log", log)
@@ -81,8 +89,9 @@ def attention_weights(
   checks.check_key_mask(key_mask, key.shape)
   checks.check_key_mask(query_mask, query.shape, "query_mask")
   window = checks.check_window(window)
-  if causal or window:
-    checks.check_causal_lengths(query, key, "causal attention" if causal else "a window (positions t − j)")
+  if causal or window or segment_ids is not None:
+    checks.check_causal_lengths(query, key, "causal attention" if causal else "a window or segments (positions)")
+  gates = gates_lib.prepare(log_gate, segment_ids, query, causal)
   batch = query.shape[:-3]
   mask = shared.mask_NL(key_mask, key)
   q, k = (shared.flatten(x, batch).astype(jnp.float32) for x in (query, key))
@@ -102,7 +111,7 @@ def attention_weights(
     if window:
       near = (jnp.abs(gap) < window) & ((gap >= 0) if causal else True)
       log_w, sign = jnp.where(near, exact, log_w), jnp.where(near, 1.0, sign)
-  log_w = jnp.where(allowed, log_w, -jnp.inf)
+  log_w = jnp.where(allowed, gates_lib.biased(log_w, gates, causal), -jnp.inf)
   if log:
     total = jax.nn.logsumexp(log_w, axis=-1, keepdims=True)
     out = jnp.where(jnp.isfinite(total), log_w - shared.finite_or_zero(total), -jnp.inf)
