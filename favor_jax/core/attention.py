@@ -315,8 +315,13 @@ def favor_decode_init(
   feature_fn = shared.feature_fn_for(kern, projection, shared.flat_rho(rho, query, kern), True)
   batch = query.shape[:-3]
   q, v = shared.flatten(query, batch), shared.flatten(value, batch)
-  state = hybrid_lib.initial_state(feature_fn, q, v, window) if window else shared.initial_state(feature_fn, q, q, v)
-  return _state_batch(state, batch)
+  return _state_batch(_empty_state(feature_fn, q, q, v, window), batch)
+
+
+def _empty_state(feature_fn, q, k, v, window):
+  if window:
+    return hybrid_lib.initial_state(feature_fn, q, v, window)
+  return shared.initial_state(feature_fn, q, k, v)._replace(segment=jnp.zeros(q.shape[:1], jnp.int32))
 
 
 def _state_batch(state, batch):
@@ -332,7 +337,7 @@ def _state_flat(state, batch):
 def _check_state(state, want):
   """``state`` as the type ``want`` has (a plain (mu, s) tuple is taken as a RecurrentState), or a clear error."""
   if isinstance(want, shared.RecurrentState) and type(state) is tuple and len(state) == 2:
-    state = shared.RecurrentState(*state)
+    state = shared.RecurrentState(*state, segment=jnp.zeros(want.segment.shape, want.segment.dtype))
   leaves = lambda s: [getattr(x, "shape", None) for x in jax.tree_util.tree_leaves(s)]
   if type(state) is not type(want) or leaves(state) != leaves(want):
     got = f"{type(state).__name__} with shapes {leaves(state)}"
@@ -360,6 +365,8 @@ def favor_decode_step(
     rho: Float[Array, "... H"] | Float[Array, "... H D+1"] | None = None,
     chunk_size: int = 64,
     window: int = 0,
+    log_gate: Float[Array, "... l H"] | None = None,
+    segment_ids: Int[Array, "... l"] | None = None,
 ) -> tuple[shared.RecurrentState | hybrid_lib.HybridState, Float[Array, "... l H Dv"]]:
   """Continues causal FAVOR attention from ``state`` by l ≥ 1 tokens; O(M·Dv) state per head:
 
@@ -370,7 +377,15 @@ def favor_decode_step(
   outputs as ``favor_attention(..., causal=True)``; with ``window > 0`` those of
   ``hybrid_attention(..., window=window, causal=True)`` (O(window·(D+Dv) + F·Dv)
   state; tokens are taken one at a time). A non-finite key or value makes this
-  and every later output NaN (the returned state is NaN).
+  and every later output NaN (the returned state is NaN) up to the next reset.
+
+  ``log_gate`` [..., l, H]: the state decays by f_t before key t joins (and a window's buffered keys with
+  it), as in :func:`favor_attention`. ``segment_ids`` [..., l]: the state records the last id it saw; a
+  token whose id differs from the one before it (this step's or the state's) starts afresh. Pass them on
+  every step or on none (a step without them keeps the recorded id).
+
+  Raises:
+    ValueError, TypeError: a bad argument (named), or a state of other sizes.
   """
   shared.validate(query, key, value, key_mask, True)
   chunk_size = checks.check_chunk_size(chunk_size)
@@ -378,29 +393,33 @@ def favor_decode_step(
   feature_fn = _feature_fn(kernel, projection, rho, query, key, key_mask, True)
   batch = query.shape[:-3]
   q, k, v = (shared.flatten(x, batch) for x in (query, key, value))
-  empty = (lambda q, k, v: hybrid_lib.initial_state(feature_fn, q, v, window)) if window else (
-      lambda q, k, v: shared.initial_state(feature_fn, q, k, v))
-  want = jax.eval_shape(lambda *x: _state_batch(empty(*x), batch), q, k, v)
+  want = jax.eval_shape(lambda *x: _state_batch(_empty_state(feature_fn, *x, window), batch), q, k, v)
   state = _state_flat(_check_state(state, want), batch)
+  gates = gates_lib.prepare(log_gate, segment_ids, query, True, previous=state.segment)
+  segment = state.segment if segment_ids is None else jnp.broadcast_to(
+      segment_ids, query.shape[:-2]).reshape(-1, query.shape[-3])[:, -1].astype(jnp.int32)
+  gate = None if gates is None else gates.log
   recurrent = state.recurrent if window else state
   mask = shared.mask_NL(key_mask, key)
   poisoned = ~jnp.all(jnp.isfinite(recurrent.s), axis=(-2, -1)) | jnp.any(jnp.isnan(recurrent.mu), axis=-1)
-  q, k, v, bad, poisoned = shared.split_nonfinite(q, k, v, mask, causal=True, prior=poisoned)
+  q, k, v, bad, poisoned = shared.split_nonfinite(q, k, v, mask, causal=True, prior=poisoned, gates=gates)
   q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
-  clean = lambda s: shared.RecurrentState(*(jnp.where(jnp.isfinite(x) | jnp.isneginf(x), x, 0.0) for x in s))
-  spoil = lambda s: shared.RecurrentState(*(jnp.where(poisoned.reshape(poisoned.shape + (1,) * (x.ndim - 2)),
-                                                          jnp.nan, x) for x in s))
+  clean = lambda s: s._replace(**{f: jnp.where(jnp.isfinite(x) | jnp.isneginf(x), x, 0.0)
+                                  for f, x in (("mu", s.mu), ("s", s.s))}, segment=None)  # the passes' carry
+  spoil = lambda s: s._replace(**{f: jnp.where(poisoned.reshape(poisoned.shape + (1,) * (x.ndim - 2)), jnp.nan, x)
+                                  for f, x in (("mu", s.mu), ("s", s.s))})
   if window:
-    state, num, den = hybrid_lib.step(feature_fn, state._replace(recurrent=clean(recurrent)), q, k, v, mask)
-    state = state._replace(recurrent=spoil(state.recurrent))
+    state, num, den = hybrid_lib.step(feature_fn, state._replace(recurrent=clean(recurrent)), q, k, v, mask, gate)
+    state = state._replace(recurrent=spoil(state.recurrent), segment=segment)
   elif q.shape[1] == 1:
     fq, fk = feature_fn(q, k)
     first = lambda f: kernels_lib.LogFeatures(*(None if x is None else x[:, 0] for x in f))
-    state, num, den = causal_lib.advance(clean(state), first(fq), first(fk), v[:, 0], mask[:, 0])
-    num, den, state = num[:, None], den[:, None], spoil(state)
+    state, num, den = causal_lib.advance(clean(state), first(fq), first(fk), v[:, 0], mask[:, 0],
+                                         gate=None if gate is None else gate[:, 0])
+    num, den, state = num[:, None], den[:, None], spoil(state)._replace(segment=segment)
   else:
     num, den, state = causal_lib.chunked(feature_fn, q, k, v, mask, chunk_size=chunk_size, state=clean(state),
-                                         return_state=True)
-    state = spoil(state)
+                                         return_state=True, gate=gate)
+    state = spoil(state)._replace(segment=segment)
   out = shared.poison(shared.divide(num, den), bad)
   return _state_batch(state, batch), out.reshape(batch + out.shape[1:]).astype(shared.out_dtype(query, key, value))

@@ -38,6 +38,8 @@ class HybridState(NamedTuple):
   valid: Array  # bool [N, W]: the slot holds an unmasked key
   position: Array  # int32 []: tokens seen so far
   recurrent: shared.RecurrentState  # the keys that left the window
+  decay: Array  # [N, W, H]: Σ of the log gates since each slot's key came (0 without gates; −∞ after a reset)
+  segment: Array  # int32 [N]: the last segment id (see favor_decode_step)
 
 
 def merge(*terms):
@@ -154,27 +156,34 @@ def initial_state(feature_fn, q, v, window: int) -> HybridState:
   return HybridState(jnp.zeros((n, window, h, d), jnp.float32),
                      jnp.zeros((n, window, h, v.shape[-1]), jnp.float32),
                      jnp.zeros((n, window), bool), jnp.zeros((), jnp.int32),
-                     shared.initial_state(feature_fn, q, q, v))
+                     shared.initial_state(feature_fn, q, q, v), jnp.zeros((n, window, h), jnp.float32),
+                     jnp.zeros((n,), jnp.int32))
 
 
-def step(feature_fn, state: HybridState, q, k, v, mask):
+def step(feature_fn, state: HybridState, q, k, v, mask, gate=None):
   """Tokens one at a time: the key leaving the window joins the features, the new one the buffer.
 
-  q, k [N, l, H, D], v [N, l, H, Dv] (finite), mask [N, l]. Returns (state, num, den) on a common scale.
+  q, k [N, l, H, D], v [N, l, H, Dv] (finite), mask [N, l], ``gate`` [N, l, H] log forget gates (None: 0):
+  each step the features' state and every slot's decay grow by g_t, and the key leaving the window joins
+  the state with its slot's decay. Returns (state, num, den) on a common scale.
   """
+  gate = jnp.zeros(q.shape[:3], jnp.float32) if gate is None else gate
   window = state.keys.shape[1]
   d = q.shape[-1]
 
   def one(state, x):
-    q_t, k_t, v_t, m_t = x
+    q_t, k_t, v_t, m_t, g_t = x
     slot = state.position % window
     old = lambda a: jax.lax.dynamic_index_in_dim(a, slot, axis=1, keepdims=True)
+    decay = state.decay + g_t[:, None]
     fk_old = shared.head_major(feature_fn, old(state.keys)[:, :0], old(state.keys))[1]
-    recurrent = shared.add_keys(state.recurrent, fk_old, old(state.values), old(state.valid))
+    fk_old = gates_lib.offset(fk_old, jnp.swapaxes(old(decay), 1, 2))  # [N, H, 1]
+    past = state.recurrent._replace(mu=jax.lax.stop_gradient(state.recurrent.mu) + g_t[..., None])
+    recurrent = shared.add_keys(past, fk_old, old(state.values), old(state.valid))
     put = lambda a, x: jax.lax.dynamic_update_index_in_dim(a, x.astype(a.dtype), slot, axis=1)
     state = HybridState(put(state.keys, k_t), put(state.values, v_t), put(state.valid, m_t),
-                        state.position + 1, recurrent)
-    logits = jnp.einsum("nhd,nwhd->nhw", q_t, state.keys) / math.sqrt(d)
+                        state.position + 1, recurrent, put(decay, jnp.zeros_like(g_t)), state.segment)
+    logits = jnp.einsum("nhd,nwhd->nhw", q_t, state.keys) / math.sqrt(d) + jnp.swapaxes(state.decay, 1, 2)
     exact = _exact(logits, state.valid[:, None, :], state.values, "nhw,nwhe->nhe")
     fq = shared.head_major(feature_fn, q_t[:, None], k_t[:, None])[0]
     y, scale = shared.read_out(fq, recurrent, with_scale=True)
@@ -182,7 +191,7 @@ def step(feature_fn, state: HybridState, q, k, v, mask):
     return state, (num, den)
 
   t_major = lambda x: jnp.moveaxis(x, 1, 0)
-  state, (num, den) = jax.lax.scan(one, state, tuple(map(t_major, (q, k, v, mask))))
+  state, (num, den) = jax.lax.scan(one, state, tuple(map(t_major, (q, k, v, mask, gate))))
   return state, jnp.moveaxis(num, 0, 1), jnp.moveaxis(den, 0, 1)
 
 

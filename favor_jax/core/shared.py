@@ -183,6 +183,7 @@ class RecurrentState(NamedTuple):
   """Constant-size causal state: S_f = Σ_{j<t} e^{log φ(k_j)_f − μ_f}[v_j, 1], μ the running max."""
   mu: Array  # [N, H, Fm]
   s: Array  # [N, H, F, Dv+1]
+  segment: Array | None = None  # int32 [N]: a decode state's last segment id (favor_decode_init); None inside
 
 
 def initial_state(feature_fn, q, k, v) -> RecurrentState:
@@ -338,7 +339,7 @@ def add_keys(state: RecurrentState, fk, v, mask) -> RecurrentState:
   mu_NHF = jax.lax.stop_gradient(jnp.max(log_k, axis=2))
   k_hat = exp_times(log_k, finite_or_zero(mu_NHF)[:, :, None], mult_k)
   v1_NHlE = with_ones(jnp.swapaxes(v, 1, 2))
-  return RecurrentState(*rescaled_sum(state, (mu_NHF, jnp.einsum("nhlf,nhle->nhfe", k_hat, v1_NHlE))))
+  return RecurrentState(*rescaled_sum((state.mu, state.s), (mu_NHF, jnp.einsum("nhlf,nhle->nhfe", k_hat, v1_NHlE))))
 
 
 def key_state(feature_fn, k, v, mask, block: int | None = None) -> RecurrentState:
