@@ -26,7 +26,6 @@ exact local window to any of them (Scatterbrain, Chen et al. 2021).
 """
 
 from favor_jax.core import kernels
-from favor_jax.core.gates import alibi_log_gate, alibi_slopes
 from favor_jax.core.attention import (
     favor_attention,
     favor_decode_init,
@@ -35,6 +34,7 @@ from favor_jax.core.attention import (
     linear_attention,
     softmax_attention,
 )
+from favor_jax.core.gates import alibi_log_gate, alibi_slopes
 from favor_jax.core.hybrid import HybridState
 from favor_jax.core.kernels import KERNELS, get_kernel, oprf_rho, saderf_statistic
 from favor_jax.core.projections import (

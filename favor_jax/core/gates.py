@@ -217,3 +217,37 @@ def biased(logits, gates: Gates | None, causal: bool):
     return logits + bias(gates.log)
   seg = segment_index(gates.start)
   return jnp.where((seg[:, :, None] == seg[:, None, :])[:, None], logits, NEG_INF)
+
+
+def key_state(feature_fn, k, v, mask, gate, key_offset=None, block: int | None = None):
+  """(a, state): the total log gate a [N, H] of the positions and the state of all keys k [N, L, H, D] decayed
+  to the last one (``shared.key_state`` with gates ``gate`` [N, L, H]; ``key_offset`` [N, L, H]: a decay each
+  key carries in, as in ``causal.chunked``), folded a block at a time."""
+  block = shared.BLOCK if block is None else block
+
+  def step(carry, start, size):
+    a, state = carry
+    g = shared.cut(gate, start, size)
+    fk = shared.head_major(feature_fn, k[:, :0], shared.cut(k, start, size))[1]
+    carried = to_end(g) if key_offset is None else to_end(g) + shared.cut(key_offset, start, size)
+    fk = offset(fk, jnp.swapaxes(carried, 1, 2))
+    total = jnp.sum(g, axis=1)  # [N, H]
+    decayed = state._replace(mu=jax.lax.stop_gradient(state.mu) + total[..., None])
+    return a + total, shared.add_keys(decayed, fk, shared.cut(v, start, size), shared.cut(mask, start, size))
+
+  init = (jnp.zeros(k.shape[:1] + k.shape[2:3], jnp.float32), shared.initial_state(feature_fn, k, k, v))
+  return shared.fold(step, init, k.shape[1], block)
+
+
+def exclusive_prefix(a, state, axis_name):
+  """The state of every key on the devices before this one along ``axis_name`` (inside ``shard_map``), decayed by
+  the gates in between: one ``all_gather`` of (a, μ, S), each earlier device's μ raised by the sum of the a of
+  the devices after it and before this one (no device reads a later one)."""
+  a_P, mu_P, s_P = jax.lax.all_gather((a, state.mu, state.s), axis_name)
+  earlier_P = jnp.arange(a_P.shape[0]) < jax.lax.axis_index(axis_name)
+  between_P = to_end(jnp.where(earlier_P[:, None, None], a_P, 0.0), axis=0)  # Σ a_r over q < r < this device
+  earlier = earlier_P.reshape((-1,) + (1,) * (mu_P.ndim - 1))
+  mu_P = jnp.where(earlier, jax.lax.stop_gradient(mu_P) + between_P[..., None], NEG_INF)
+  mu = jax.lax.stop_gradient(jnp.max(mu_P, axis=0))
+  weight_P = jnp.exp(mu_P - shared.finite_or_zero(mu))  # 0 for this and later devices
+  return shared.RecurrentState(mu, jnp.sum(s_P * weight_P[..., None], axis=0))
