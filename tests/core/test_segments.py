@@ -140,3 +140,23 @@ def test_decode_after_a_non_finite_key_recovers_at_a_new_segment():
   state, out = core.favor_decode_step(state, q[:, 3:4], k[:, 3:4], v[:, 3:4], proj,
                                       segment_ids=jnp.ones((B, 1), jnp.int32))
   np.testing.assert_allclose(out, v[:, 3:4], rtol=1e-6)  # alone in its document: its own value
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidirectional"])
+def test_softmax_weights_and_linear_attention_take_the_same_bias(causal):
+  q, k, v = (3.0 * x for x in _qkv())
+  ids = jnp.broadcast_to(IDS, (B, L))
+  g = _log_gate() if causal else None
+  bias = decay(g, np.asarray(ids), causal)  # [B, t, j, H]
+  logits = np.einsum("bthd,bjhd->btjh", np.asarray(q, np.float64), np.asarray(k, np.float64)) / np.sqrt(q.shape[-1])
+  logw = logits + bias
+  w = np.exp(logw - logw.max(2, keepdims=True))
+  want = np.moveaxis(w / w.sum(2, keepdims=True), 3, 1)  # [B, H, t, j]
+  got = core.attention_weights(q, k, causal=causal, log_gate=g, segment_ids=ids)
+  np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
+  # linear attention on positive features φ = e^{x}: A_tj = e^{bias}·φ(q_t)ᵀφ(k_j)
+  qf, kf = jnp.exp(0.3 * q), jnp.exp(0.3 * k)
+  a = np.einsum("bthf,bjhf->btjh", np.asarray(qf, np.float64), np.asarray(kf, np.float64)) * np.exp(bias)
+  lin_want = np.einsum("btjh,bjhd->bthd", a / a.sum(2, keepdims=True), np.asarray(v, np.float64))
+  lin = core.linear_attention(qf, kf, v, causal=causal, log_gate=g, segment_ids=ids, chunk_size=8)
+  np.testing.assert_allclose(lin, lin_want, atol=2e-5 * np.max(np.abs(lin_want)), rtol=0)
