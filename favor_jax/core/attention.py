@@ -37,12 +37,10 @@ def softmax_attention(
 ) -> Float[Array, "... Lq H Dv"]:
   """Exact attention, softmax(q kᵀ/√d) v (Vaswani et al. 2017); the reference FAVOR estimates.
 
-  A query that can see no key (all masked) returns 0. ``log_gate`` (causal only): log of a forget gate
-  f_l ∈ [0, 1] per position and head (≤ 0, −∞ allowed), the logits biased by Σ_{j<l≤t} log f_l (the
-  Forgetting Transformer, Lin et al. 2025; a constant −m_h per head is ALiBi, Press et al. 2022:
-  :func:`alibi_log_gate`). ``segment_ids``: packed documents; a segment is a run of equal consecutive ids,
-  and only pairs within one attend (causal: a gate of 0 at each segment's first position). A NaN, +∞ or
-  positive log gate is a bad input: NaN in the rows that may see its position (as a NaN key).
+  A query that can see no key (all masked) returns 0. ``log_gate`` (causal only): log f_l ≤ 0 of a forget
+  gate per position and head (−∞: a reset); logits + Σ_{j<l≤t} log f_l (Forgetting Transformer, Lin et al.
+  2025; constant: ALiBi, :func:`alibi_log_gate`). ``segment_ids``: packed documents, pairs within a run of
+  equal ids only. A NaN, +∞ or positive log gate gives NaN in the rows that may see it (as a NaN key).
 
   Raises:
     ValueError, TypeError: a bad argument (named), ``log_gate`` with ``causal=False``.
@@ -110,7 +108,7 @@ def linear_attention(
   shared.validate(query_features, key_features, value, key_mask, causal, "query_features", "key_features")
   checks.check_causal_method(causal_method, causal_lib.CAUSAL_METHODS, causal)
   chunk_size = checks.check_chunk_size(chunk_size)
-  gates = _gates(log_gate, segment_ids, query_features, causal, causal_method)
+  gates = gates_lib.prepare(log_gate, segment_ids, query_features, causal, method=causal_method)
 
   def feature_fn(qf, kf):
     as_is = lambda x: kernels_lib.LogFeatures(None, x.astype(jnp.float32))
@@ -120,12 +118,6 @@ def linear_attention(
   return _run(feature_fn, query_features, key_features, value, key_mask, causal,
               causal_method, chunk_size, gates)
 
-
-def _gates(log_gate, segment_ids, query, causal, causal_method="auto"):
-  """The call's ``gates.Gates`` (checked; None without gates); "pallas" refuses them by name."""
-  if causal and causal_method == "pallas" and (log_gate is not None or segment_ids is not None):
-    raise ValueError(causal_lib.GATES_NOT_FUSED)
-  return gates_lib.prepare(log_gate, segment_ids, query, causal)
 
 
 def favor_attention(
@@ -199,13 +191,10 @@ def favor_attention(
   same for every ω, so keys are weighted by exp(−‖k‖²/(2√d)); ReLU features
   are 0 and every row is 0; trigonometric ones weight keys by exp(+‖k‖²/(2√d)).
 
-  Forget gates and packed documents (as in :func:`softmax_attention`, whose weights this estimates): ``log_gate``
-  [..., L, H] (causal only) decays the state by f_t before key t joins: w_tj = φ(q_t)ᵀφ(k_j)·Π_{j<l≤t} f_l,
-  still an unbiased estimate of the gated softmax weight (RFA's gate, Peng et al. 2021); an addition to the
-  state's log-scale, so long runs of small gates do not underflow. ``segment_ids`` [..., L]: pairs within a
-  segment only (causal: a reset at its first position; bidirectional: a causal pass with resets and a
-  reversed one, merged; the statistic of a data-dependent kernel is still the whole row's). The fused
-  ``"pallas"`` kernels take neither (``ValueError``); ``"auto"`` then runs ``"chunked"``.
+  ``log_gate``, ``segment_ids``: as in :func:`softmax_attention` (unbiased for its weights: the state decays
+  by f_t in its log-scale before key t joins, RFA's gate, Peng et al. 2021; bidirectional segments: a causal
+  pass with resets and a reversed one; a data-dependent kernel's statistic stays the whole row's). ``"pallas"``
+  refuses them (``ValueError``); ``"auto"`` then runs ``"chunked"``.
 
   Raises:
     ValueError, TypeError: a bad argument (named).
@@ -213,7 +202,7 @@ def favor_attention(
   shared.validate(query, key, value, key_mask, causal, query_mask=query_mask)
   checks.check_causal_method(causal_method, causal_lib.CAUSAL_METHODS, causal)
   chunk_size = checks.check_chunk_size(chunk_size)
-  gates = _gates(log_gate, segment_ids, query, causal, causal_method)
+  gates = gates_lib.prepare(log_gate, segment_ids, query, causal, method=causal_method)
   feature_fn = _feature_fn(kernel, projection, rho, query, key, key_mask, causal, blocked=gates is not None,
                            query_mask=query_mask)
   return _run(feature_fn, query, key, value, key_mask, causal, causal_method, chunk_size, gates)
@@ -271,7 +260,7 @@ def hybrid_attention(
   checks.check_causal_lengths(query, key, "hybrid attention (its window is positions t − j, causal or not)")
   window = checks.check_window(window)
   chunk_size = checks.check_chunk_size(chunk_size)
-  gates = _gates(log_gate, segment_ids, query, causal)
+  gates = gates_lib.prepare(log_gate, segment_ids, query, causal)
   if window == 0:
     return favor_attention(query, key, value, projection, kernel=kernel, causal=causal, key_mask=key_mask,
                            rho=rho, chunk_size=chunk_size, query_mask=query_mask, log_gate=log_gate,
@@ -379,10 +368,9 @@ def favor_decode_step(
   state; tokens are taken one at a time). A non-finite key or value makes this
   and every later output NaN (the returned state is NaN) up to the next reset.
 
-  ``log_gate`` [..., l, H]: the state decays by f_t before key t joins (and a window's buffered keys with
-  it), as in :func:`favor_attention`. ``segment_ids`` [..., l]: the state records the last id it saw; a
-  token whose id differs from the one before it (this step's or the state's) starts afresh. Pass them on
-  every step or on none (a step without them keeps the recorded id).
+  ``log_gate``: the state (and a window's buffer) decays as in :func:`favor_attention`. ``segment_ids``: the
+  state records the last id; a token whose id differs from the one before (also the state's) starts afresh.
+  Pass them on every step or on none.
 
   Raises:
     ValueError, TypeError: a bad argument (named), or a state of other sizes.

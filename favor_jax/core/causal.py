@@ -329,13 +329,11 @@ def pallas(feature_fn, q, k, v, mask, *, chunk_size: int = 64, return_scale: boo
   from favor_jax.core import fused
 
   if gate is not None:
-    raise ValueError(GATES_NOT_FUSED)
+    raise ValueError(gates_lib.NOT_FUSED)
   if divide and return_scale:
     raise ValueError("pallas(divide=True) returns the output only: return_scale must be False")
   out = fused.causal(feature_fn, q, k, v, mask, chunk_size=chunk_size, return_scale=return_scale)
   return shared.divide(*out) if divide else out
 
 
-GATES_NOT_FUSED = ("causal_method='pallas' has no fused kernel for log_gate or segment_ids (forget gates, packed "
-                   "documents): use causal_method='chunked' (or 'auto', which picks it when they are given)")
 CAUSAL_METHODS = {"auto": auto, "chunked": chunked, "pallas": pallas, "scan": scan, "cumsum": cumsum}
