@@ -90,7 +90,8 @@ def attention_weights(
   checks.check_key_mask(query_mask, query.shape, "query_mask")
   window = checks.check_window(window)
   if causal or window or segment_ids is not None:
-    checks.check_causal_lengths(query, key, "causal attention" if causal else "a window or segments (positions)")
+    checks.check_causal_lengths(query, key, "causal attention" if causal else (
+        "a window (positions t − j)" if window else "segment_ids (positions)"))
   gates = gates_lib.prepare(log_gate, segment_ids, query, causal)
   batch = query.shape[:-3]
   mask = shared.mask_NL(key_mask, key)
