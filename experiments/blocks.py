@@ -19,7 +19,8 @@ import jax.numpy as jnp
 from experiments import plotting, speed, tasks
 from experiments.timing import check_timing
 from favor_jax import core
-from favor_jax.core import attention, fused, shared
+from favor_jax.core import attention, fused
+from favor_jax.core import state as shared
 
 
 def _pallas_attention(blocks, q, k, v, p):

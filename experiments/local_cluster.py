@@ -64,7 +64,12 @@ CLUSTER_FIELDS = ("mesh.distributed", "mesh.coordinator_address", "mesh.num_proc
 
 def commands(processes: int, port: int, main_args: list[str]) -> list[list[str]]:
   """experiments.main's command line for each process: ``main_args`` plus the cluster's config fields, which
-  ``main_args`` must leave to the launcher (a ValueError names one given)."""
+  ``main_args`` must leave to the launcher (a ValueError names one given). Without ``--config`` in
+  ``main_args`` a ValueError says so (the cluster's fields would be refused as unknown flags first)."""
+  if not any(arg == "--config" or arg.startswith("--config=") for arg in main_args):
+    raise ValueError(f"no --config among experiments.main's arguments {main_args}: give them after '--', e.g. "
+                     "python -m experiments.local_cluster --processes=2 -- --config=experiments/configs/tiny.py "
+                     "--workdir=DIR")
   for arg in main_args:
     name = arg.split("=", 1)[0].removeprefix("--").removeprefix("no").removeprefix("config.")
     if arg.startswith("--") and name in CLUSTER_FIELDS:
@@ -110,10 +115,11 @@ def launch(processes: int, devices: int, main_args: list[str]) -> int:
   if type(devices) is not int or devices < 1:
     raise ValueError(f"--devices_per_process must be an int >= 1, got {devices!r}")
   port = free_port()
+  cmds = commands(processes, port, main_args)  # a bad command line stops here, before anything is made
   env, logdir = process_env(devices, port), tempfile.mkdtemp(prefix="local_cluster_")
   procs, logs = [], []
   try:
-    for i, cmd in enumerate(commands(processes, port, main_args)):
+    for i, cmd in enumerate(cmds):
       if i == 0:
         procs.append(subprocess.Popen(cmd, env=env, preexec_fn=_die_with_launcher))
       else:
@@ -142,7 +148,10 @@ def launch(processes: int, devices: int, main_args: list[str]) -> int:
 
 def main(argv):
   signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))  # runs the cleanup in launch
-  sys.exit(launch(_PROCESSES.value, _DEVICES.value, argv[1:]))
+  try:
+    sys.exit(launch(_PROCESSES.value, _DEVICES.value, argv[1:]))
+  except ValueError as e:  # a bad command line: the message, not a traceback
+    sys.exit(f"local_cluster: {e}")
 
 
 if __name__ == "__main__":

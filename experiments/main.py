@@ -55,6 +55,7 @@ STUDIES = {
     "train": "experiments.sweep",
     "backward_compat": "experiments.backward_compat",
     "sequence_parallel": "experiments.sequence_parallel",
+    "showcase": "experiments.showcase",
 }
 
 

@@ -9,6 +9,7 @@ the ``favor`` collection.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from typing import NamedTuple
@@ -20,25 +21,19 @@ from jax import Array
 from jax.sharding import Mesh
 from jaxtyping import Float, Int
 
-from favor_jax import core, layers
+from favor_jax import core
 from favor_jax.layers import linen as favor_linen
+from favor_jax.layers.projection import layer_projection
+from favor_jax.layers.settings import FavorSettings
 
 ATTENTION_TYPES = ("softmax", "favor")
 POSITIONS = ("learned", "rotary")
 
 
 class AttentionSpec(NamedTuple):
-  """The config's ``attention`` fields the model reads (hashable, unlike a ConfigDict)."""
-  type: str
-  kernel: str
-  num_features: int
-  projection: str
-  chunk_size: int
-  window: int = 0  # > 0: exact attention over the nearest `window` keys, the kernel beyond (hybrid)
-  qk_head_dim: int = 0  # query/key head dim (0 = d_model / num_heads, the value head dim)
-  mesh: Mesh | None = None  # with sequence parallelism: the training mesh ...
-  sequence_axis: str | None = None  # ... its axis splitting the sequence in FAVOR layers
-  batch_axis: str | None = None  # ... and its axis splitting the batch
+  """The config's attention as the model reads it (hashable, unlike a ConfigDict)."""
+  type: str  # "softmax" or "favor"
+  favor: FavorSettings | None = None  # FAVOR layers' settings (``favor_settings``); None for softmax
 
 
 def rotary(x_BLHD: Float[Array, "B L H D"], base: float = 10000.0) -> Float[Array, "B L H D"]:
@@ -66,20 +61,37 @@ def _rotary_softmax(query, key, value, mask=None, dropout_rng=None, dropout_rate
       force_fp32_for_softmax=force_fp32_for_softmax)
 
 
-def attention_layer(attention, num_heads: int, causal: bool, positions: str, name: str) -> nn.Module:
+def favor_settings(config, causal: bool, mesh: Mesh | None = None) -> FavorSettings:
+  """The settings of the config's FAVOR layers, checked once (errors name the config's ``attention.FIELD``).
+
+  Args:
+    config: a training config (its ``attention`` and ``model.positions``).
+    causal: whether the model is a causal LM (``tasks.is_causal``).
+    mesh: the training mesh: with more than one device on "sequence" the layers split the sequence over it
+      (and the batch over "data").
+
+  Returns:
+    The layers' settings. A kernel without a random projection (Taylor, Hedgehog's learned map) gets neither
+    ``num_features`` nor ``projection``: the config holds them for every kernel.
+  """
+  a = config.attention
+  parallel = mesh is not None and mesh.shape.get("sequence", 1) > 1
+  return FavorSettings.build(
+      kernel=a.kernel, num_features=a.num_features, projection=a.projection, causal=causal,
+      chunk_size=a.chunk_size, window=a.window, qk_head_dim=a.qk_head_dim or None,
+      qk_transform=_rotary_qk if config.model.positions == "rotary" else None, mesh=mesh if parallel else None,
+      sequence_axis="sequence" if parallel else None, batch_axis="data" if parallel else None,
+      unused_projection="drop", prefix="attention.")
+
+
+def attention_layer(attention: AttentionSpec, num_heads: int, positions: str, name: str) -> nn.Module:
   """The attention module named by ``attention.type`` ("softmax" or "favor")."""
-  rope = positions == "rotary"
   if attention.type == "softmax":
+    rope = positions == "rotary"
     return nn.MultiHeadDotProductAttention(
         num_heads=num_heads, attention_fn=_rotary_softmax if rope else nn.dot_product_attention, name=name)
-  # A kernel without a random projection (Taylor, Hedgehog's learned map) takes neither field.
-  random = layers.projection_role(attention.kernel) == "random"
-  return favor_linen.FavorAttention(
-      num_heads=num_heads, num_features=attention.num_features if random else None, kernel=attention.kernel,
-      projection=attention.projection if random else None, causal=causal, chunk_size=attention.chunk_size,
-      window=attention.window, qk_head_dim=attention.qk_head_dim or None,
-      qk_transform=_rotary_qk if rope else None, mesh=attention.mesh, sequence_axis=attention.sequence_axis,
-      batch_axis=attention.batch_axis, name=name)
+  fields = {f.name: getattr(attention.favor, f.name) for f in dataclasses.fields(attention.favor)}
+  return favor_linen.FavorAttention(num_heads=num_heads, name=name, **fields)
 
 
 class ShortConv(nn.Module):
@@ -100,7 +112,6 @@ class Block(nn.Module):
   attention: AttentionSpec
   num_heads: int
   mlp_dim: int
-  causal: bool
   positions: str
   short_conv: int = 0  # > 0: a residual ShortConv of this width before attention (0 = none)
 
@@ -108,7 +119,7 @@ class Block(nn.Module):
   def __call__(self, x_BLD, mask, train: bool):
     if self.short_conv:
       x_BLD = x_BLD + ShortConv(self.short_conv, name="short_conv")(nn.LayerNorm(name="ln_conv")(x_BLD))
-    attend = attention_layer(self.attention, self.num_heads, self.causal, self.positions, "attention")
+    attend = attention_layer(self.attention, self.num_heads, self.positions, "attention")
     x_BLD = x_BLD + attend(nn.LayerNorm(name="ln_attention")(x_BLD), mask=mask, deterministic=not train)
     h_BLF = nn.gelu(nn.Dense(self.mlp_dim, name="mlp_in")(nn.LayerNorm(name="ln_mlp")(x_BLD)))
     return x_BLD + nn.Dense(x_BLD.shape[-1], name="mlp_out")(h_BLF)
@@ -146,7 +157,7 @@ class Transformer(nn.Module):
       mask = nn.make_causal_mask(tokens_BL) if self.attention.type == "softmax" else None
     else:  # classifier: remove padding keys for every query (the only mask FAVOR can honour)
       mask = pad_BL[:, None, None, :]
-    block = functools.partial(Block, self.attention, self.num_heads, self.mlp_dim, causal, self.positions,
+    block = functools.partial(Block, self.attention, self.num_heads, self.mlp_dim, self.positions,
                               self.short_conv)
     for i in range(self.num_layers):
       x_BLD = block(name=f"block_{i}")(x_BLD, mask, train)
@@ -161,14 +172,10 @@ class Transformer(nn.Module):
 def make_model(config, vocab_size: int, num_classes: int, max_len: int, mesh: Mesh | None = None) -> Transformer:
   """The config's model; FAVOR layers run sequence-parallel over ``mesh``'s "sequence" axis if it has > 1 device."""
   m, a = config.model, config.attention
-  parallel = mesh is not None and mesh.shape.get("sequence", 1) > 1
+  favor = favor_settings(config, num_classes == 0, mesh) if a.type == "favor" else None
   return Transformer(vocab_size=vocab_size, num_classes=num_classes, max_len=max_len, d_model=m.d_model,
                      num_layers=m.num_layers, num_heads=m.num_heads, mlp_dim=m.mlp_dim,
-                     positions=m.positions, short_conv=m.short_conv, attention=AttentionSpec(
-                         type=a.type, kernel=a.kernel, num_features=a.num_features,
-                         projection=a.projection, chunk_size=a.chunk_size, window=a.window, qk_head_dim=a.qk_head_dim,
-                         mesh=mesh if parallel else None,
-                         sequence_axis="sequence" if parallel else None, batch_axis="data" if parallel else None))
+                     positions=m.positions, short_conv=m.short_conv, attention=AttentionSpec(a.type, favor))
 
 
 def decode_state_size(config, seq_len: int) -> int:
@@ -186,12 +193,10 @@ def decode_state_size(config, seq_len: int) -> int:
   if a.type == "softmax":
     return conv + seq_len * heads * 2 * head_dim
   qk_dim = a.qk_head_dim or head_dim
-  random = layers.projection_role(a.kernel) == "random"
+  settings = dataclasses.replace(favor_settings(config, causal=True), per_head_projection=False)
 
   def empty_state():
-    projection = layers.layer_projection(
-        jax.random.PRNGKey(0), a.kernel, a.num_features if random else None, a.projection if random else None,
-        False, heads, qk_dim)
+    projection = layer_projection(jax.random.PRNGKey(0), settings, heads, qk_dim)
     return core.favor_decode_init(jnp.zeros((1, 1, heads, qk_dim)), jnp.zeros((1, 1, heads, head_dim)),
                                   projection, kernel=a.kernel, window=a.window)
 

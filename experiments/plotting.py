@@ -53,6 +53,31 @@ def point_styles(names) -> dict[str, dict]:
           for name, c, m in zip(names, itertools.cycle(COLORS), itertools.cycle("osD^vP*Xph<>"))}
 
 
+MARKERS = "osD^vP*Xph<>"
+
+
+def run_styles(names) -> dict[str, dict]:
+  """Per run name, in the order given, one colour, marker and line style that every figure of a study uses for
+  it (``training_curves``, ``quality_vs_state``, the showcase): no two names share all three."""
+  names = list(dict.fromkeys(names))
+  colors = distinct_colors(len(names))
+  return {name: dict(color=c, linestyle=LINESTYLES[(i // len(COLORS)) % len(LINESTYLES)],
+                     marker=MARKERS[i % len(MARKERS)]) for i, (name, c) in enumerate(zip(names, colors))}
+
+
+def ticks_enclose(ax, values, axis: str = "y") -> None:
+  """A linear ``axis`` whose limits are the major ticks at or beyond the least and greatest of ``values``, so
+  the lowest labelled tick never sits above the data's lowest point (nor the highest below its highest)."""
+  from matplotlib import ticker
+  lo, hi = min(values), max(values)
+  if lo == hi:
+    lo, hi = lo - 0.5 * abs(lo or 1), hi + 0.5 * abs(hi or 1)
+  ticks = ticker.MaxNLocator(nbins=6).tick_values(lo, hi)
+  step = ticks[1] - ticks[0]
+  getattr(ax, f"set_{axis}lim")(math.floor(lo / step + 1e-9) * step, math.ceil(hi / step - 1e-9) * step)
+  getattr(ax, f"{axis}axis").set_major_locator(ticker.MultipleLocator(step))
+
+
 def short_number(n: int) -> str:
   """256 → "256", 1024 → "1k", 131072 → "128k": tick labels that fit side by side."""
   if n >= 1024 and n % 1024 == 0:
@@ -98,29 +123,39 @@ def legend_right(fig, handles=None, labels=None, **kwargs):
                     frameon=False, **kwargs)
 
 
-def training_curves(curves: dict[str, list[dict]], path: str) -> str:
+def training_curves(curves: dict[str, list[dict]], path: str, style: dict[str, dict] | None = None) -> str:
   """Train loss and the headline evaluation metric per step, one line per run, in one unit.
 
-  ``curves`` maps a run's name to its ``metrics.jsonl`` records. Runs that report ``eval_bpc`` (character
-  language models) are shown in bits/char on both panels; the others as loss in nats and eval accuracy.
+  Args:
+    curves: a run's name -> its ``metrics.jsonl`` records. Runs that report ``eval_bpc`` (character language
+      models) are shown in bits/char on both panels; the others as loss in nats and eval accuracy.
+    path: the PNG to write.
+    style: a run's name -> its colour, marker and line style (``run_styles``); by default ``run_styles(curves)``.
+
+  Returns:
+    ``path``. Each panel's lowest and highest labelled ticks enclose its curves (``ticks_enclose``).
   """
+  style = style or run_styles(curves)
   bpc = all(any("eval_bpc" in r for r in records) for records in curves.values())
   to_unit = (lambda nats: nats / math.log(2)) if bpc else (lambda nats: nats)
   metric, metric_label = ("eval_bpc", "eval bits/char") if bpc else ("eval_accuracy", "eval accuracy")
   fig, (ax_train, ax_eval) = subplots(1, 2, figsize=(10, 3.8))
-  for (name, records), style in zip(curves.items(), styles(len(curves))):
+  shown = {ax_train: [], ax_eval: []}
+  for name, records in curves.items():
+    line, marker = {k: v for k, v in style[name].items() if k != "marker"}, style[name]["marker"]
     train = [r for r in records if r["kind"] == "train"]
     evals = [r for r in records if r["kind"] == "eval" and metric in r]
-    ax_train.plot([r["step"] for r in train], [to_unit(r["train_loss"]) for r in train], label=name, **style)
-    ax_eval.plot([r["step"] for r in evals], [r[metric] for r in evals], marker=".", label=name, **style)
+    shown[ax_train] += [to_unit(r["train_loss"]) for r in train]
+    shown[ax_eval] += [r[metric] for r in evals]
+    ax_train.plot([r["step"] for r in train], [to_unit(r["train_loss"]) for r in train], label=name, **line)
+    ax_eval.plot([r["step"] for r in evals], [r[metric] for r in evals], marker=marker, markersize=4, label=name,
+                 **line)
   ax_train.set(xlabel="step", ylabel=f"train loss ({'bits/char' if bpc else 'nats'}, window mean)")
-  plain_log(ax_train)
   ax_eval.set(xlabel="step", ylabel=metric_label)
-  if bpc:
-    plain_log(ax_eval)
   for ax in (ax_train, ax_eval):
+    if shown[ax]:
+      ticks_enclose(ax, shown[ax])
     ax.grid(alpha=0.3)
-    ax.grid(alpha=0.1, which="minor", axis="y")
   if len(curves) == 1:
     fig.suptitle(next(iter(curves)))
   else:
@@ -128,23 +163,37 @@ def training_curves(curves: dict[str, list[dict]], path: str) -> str:
   return save(fig, path)
 
 
-def quality_vs_state(rows: list[dict], metric: str, label, path: str) -> str:
+def spread_equal_x(xs: list[float], factor: float = 2 ** 0.15) -> list[float]:
+  """``xs`` (on a log axis) with points that share a value moved apart sideways, symmetric about it, by powers
+  of ``factor``: markers at one x would hide each other."""
+  groups: dict[float, list[int]] = {}
+  for i, x in enumerate(xs):
+    groups.setdefault(x, []).append(i)
+  out = list(xs)
+  for x, members in groups.items():
+    for j, i in enumerate(members):
+      out[i] = x * factor ** (j - (len(members) - 1) / 2)
+  return out
+
+
+def quality_vs_state(rows: list[dict], metric: str, style: dict[str, dict], path: str) -> str:
   """The recall–memory frontier (Zoology, Based): ``metric`` against each run's decoding state size.
 
-  One point per row (``label(row)`` names it), one panel per number of key-value pairs (MQAR) or a single
-  panel; the state axis is log-scaled, the metric axis shared by the panels (small differences are not
+  One point per row, in its run's ``style[row["name"]]`` colour and marker and labelled by its name; one panel
+  per number of key-value pairs (MQAR) or a single panel; the state axis is log-scaled (rows with the same state
+  spread sideways: ``spread_equal_x``), the metric axis shared by the panels (small differences are not
   magnified). Softmax's state is its key-value cache at the training length.
   """
   panels = sorted({r.get("num_kv_pairs", 0) for r in rows})
   fig, axes = subplots(1, len(panels), figsize=(4.6 * len(panels), 3.8), squeeze=False, sharey=True)
-  style = point_styles(sorted({label(r) for r in rows}))
   for ax, pairs in zip(axes[0], panels):
-    for r in (r for r in rows if r.get("num_kv_pairs", 0) == pairs):
-      name = label(r)
-      ax.scatter(r["state_size"], r[metric], **style[name], s=40, label=name)
+    shown = [r for r in rows if r.get("num_kv_pairs", 0) == pairs]
+    for r, x in zip(shown, spread_equal_x([r["state_size"] for r in shown])):
+      ax.scatter(x, r[metric], color=style[r["name"]]["color"], marker=style[r["name"]]["marker"], s=40,
+                 alpha=0.85, label=r["name"])
     ax.set_xscale("log", base=2)
-    ax.set(xlabel="decoding state per layer (numbers)", ylabel=metric.replace("_", " "),
-           title=f"{pairs} key-value pairs" if pairs else None)
+    ax.set(xlabel="decoding state per layer (numbers; equal ones spread sideways)",
+           ylabel=metric.replace("_", " "), title=f"{pairs} key-value pairs" if pairs else None)
     ax.grid(alpha=0.3)
   legend_right(fig)
   return save(fig, path)

@@ -16,6 +16,7 @@ import jax
 
 from experiments import models, plotting, training
 from experiments.configs import common
+from experiments.tasks import listops
 from favor_jax import core, layers
 
 
@@ -97,6 +98,7 @@ def final_record(name: str, config, records: list[dict]) -> dict:
 
 def run(config, progress, workdir) -> list[dict]:
   runs = variant_configs(config)
+  style = plotting.run_styles(name for name, _ in runs)
   results, stopped = [], []
   for i, (name, c) in enumerate(runs):
     progress(f"run {i + 1}/{len(runs)}: {name}")
@@ -106,8 +108,8 @@ def run(config, progress, workdir) -> list[dict]:
       stopped += e.runs
       continue
     results.append(final_record(name, c, records))
-    if jax.process_index() == 0:  # multi-host: process 0 writes the plots
-      plotting.training_curves({name: records}, os.path.join(workdir, name, "loss.png"))
+    if jax.process_index() == 0:  # multi-host: process 0 writes the plots (in the run's colour of curves.png)
+      plotting.training_curves({name: records}, os.path.join(workdir, name, "loss.png"), {name: style[name]})
   if stopped:
     raise training.Stopped(stopped)
   return results
@@ -145,58 +147,122 @@ def setting(r) -> str:
   parts = [r["kernel"]]
   if r["num_features"]:
     parts.append(f"M={r['num_features']}")
-  if r["qk_head_dim"]:
+  if r.get("qk_head_dim"):  # records from before the field: none
     parts.append(f"d={r['qk_head_dim']}")
   if r["redraw_every"]:
     parts.append(f"redraw {r['redraw_every']}")
-  return " ".join(parts) + (f" + window {r['window']}" if r["window"] else "") + conv
+  return " ".join(parts) + (f" + window {r['window']}" if r.get("window") else "") + conv
+
+
+def markdown_table(columns: list[str], rows: list[list[str]]) -> list[str]:
+  """A markdown table's lines, without the columns that are empty in every row."""
+  keep = [i for i in range(len(columns)) if any(row[i] for row in rows)]
+  pick = lambda cells: "| " + " | ".join(cells[i] for i in keep) + " |"
+  return [pick(columns), "|" + "---|" * len(keep)] + [pick(row) for row in rows]
+
+
+def chance_accuracy(r: dict) -> float:
+  """Accuracy without learning the task beyond its format: MQAR, one of the sequence's ``num_kv_pairs`` values;
+  ListOps, one of its classes; 0 where not defined (language models: no accuracy is read as a result)."""
+  if r["task"] == "mqar" and r.get("num_kv_pairs"):
+    return 1.0 / r["num_kv_pairs"]
+  if r["task"] == "listops":
+    return 1.0 / listops.NUM_CLASSES
+  return 0.0
+
+
+def _seeds(r: dict) -> str:
+  n = len(r.get("seeds", [r["seed"]]))
+  return f", mean over {n} seeds" if n > 1 else ""
+
+
+def compared_with_softmax(run: dict, base: dict, metric: str) -> str:
+  """One line: ``run`` against softmax's ``base`` on ``metric``. Bits/char and losses: their ratio (run /
+  softmax). Accuracies: both and their difference in points, none when both lie within twice chance (a ratio
+  of two near-chance accuracies is noise, not a result)."""
+  if metric != "eval_accuracy":
+    return f"- {run['name']}: {run[metric] / base[metric]:.3f}{_seeds(run)}"
+  chance = chance_accuracy(run)
+  if chance and max(run[metric], base[metric]) < 2 * chance:
+    return (f"- {run['name']}: {100 * run[metric]:.1f}% and softmax {100 * base[metric]:.1f}%: both below twice "
+            f"chance ({100 * chance:.1f}%), neither has learned the task: no comparison")
+  return (f"- {run['name']}: {100 * run[metric]:.1f}% against softmax's {100 * base[metric]:.1f}% "
+          f"({100 * (run[metric] - base[metric]):+.1f} points){_seeds(run)}")
+
+
+def finding(settings: list[dict], metric: str) -> str:
+  """The study's result in one sentence: the best run that is not softmax against softmax in the same model."""
+  lower_better = metric != "eval_accuracy"
+  pairs = [(r, b) for b in settings if b["attention"] == "softmax" for r in settings
+           if r["attention"] != "softmax" and all(r.get(f) == b.get(f) for f in COMPARED_ON)]
+  if not pairs:
+    return ""
+  best, base = (min if lower_better else max)(pairs, key=lambda p: p[0][metric])
+  chance = chance_accuracy(best) if not lower_better else 0.0
+  if chance and max(best[metric], base[metric]) < 2 * chance:
+    return (f"Finding: no run learns the task in {best['steps']} steps (every accuracy below twice chance, "
+            f"{100 * chance:.1f}%).")
+  if lower_better:
+    result = f"{best[metric]:.3f} against softmax's {base[metric]:.3f} ({best[metric] / base[metric]:.3f}×)"
+  else:
+    result = f"{100 * best[metric]:.1f}% against softmax's {100 * base[metric]:.1f}%"
+  return (f"Finding: the best run without softmax, {best['name']} ({setting(best)}), reaches {metric} {result} "
+          f"after {best['steps']} steps{_seeds(best)}.")
+
+
+COMPARED_ON = ("num_kv_pairs", "seq_len", "short_conv")  # a run is compared with softmax where these agree
 
 
 def summarize(records: list[dict], config) -> str:
   metric = _main_metric(records)
-  lines = [f"# Training: {config.task}\n",
-           "F: feature dimension per head; state: numbers per layer and sequence kept to decode the next token "
-           "(softmax: its key-value cache at the training length L; for an encoder task, what a causal layer of "
-           "the same shape would keep).\n",
-           f"| run | attention | F | L | kv pairs | seed | steps | eval loss | {metric} | best eval acc | state "
-           "| steps/s |", "|" + "---|" * 12]
-  for r in records:
-    lines.append(f"| {r['name']} | {setting(r)} | {r['features'] or ''} | {r['seq_len']} | "
-                 f"{r['num_kv_pairs'] or ''} | {r['seed']} | {r['steps']} | {r['eval_loss']:.4f} | "
-                 f"{r[metric]:.4f} | {r['best_eval_accuracy']:.4f} | {r['state_size']} | {r['steps_per_s']:.2f} |")
   settings = mean_over_seeds(records, metric)
+  lines = [f"# Training: {config.task}\n"]
+  found = finding(settings, metric)
+  if found:
+    lines += [found, ""]
+  lines += ["F: feature dimension per head (– for softmax); state: numbers per layer and sequence kept to decode "
+            "the next token (softmax: its key-value cache at the training length L; for an encoder task, what a "
+            "causal layer of the same shape would keep).\n"]
+  columns = ["run", "attention", "F", "L", "kv pairs", "seed", "steps", "eval loss", metric, "best eval acc",
+             "state", "steps/s"]
+  lines += markdown_table(columns, [
+      [r["name"], setting(r), str(r["features"] or "–"), str(r["seq_len"]), str(r["num_kv_pairs"] or ""),
+       str(r["seed"]), str(r["steps"]), f"{r['eval_loss']:.4f}", f"{r[metric]:.4f}",
+       f"{r['best_eval_accuracy']:.4f}", str(r["state_size"]), f"{r['steps_per_s']:.2f}"] for r in records])
   if len(settings) < len(records):
-    lines += ["", f"## Mean over seeds ({metric}; spread = max − min)", "",
-              f"| run | attention | kv pairs | seeds | {metric} | spread | best eval acc |", "|" + "---|" * 7]
-    lines += [f"| {r['name']} | {setting(r)} | {r['num_kv_pairs'] or ''} | {len(r['seeds'])} | {r[metric]:.4f} "
-              f"| {r['spread']:.4f} | {r['best_eval_accuracy']:.4f} |" for r in settings]
-  softmax = [r for r in settings if r["attention"] == "softmax"]
-  for base in softmax:
-    others = [r for r in settings if r["attention"] == "favor"
-              and all(r.get(f) == base.get(f) for f in ("num_kv_pairs", "seq_len", "short_conv"))]
+    lines += ["", f"## Mean over seeds ({metric}; spread = max − min)", ""]
+    lines += markdown_table(
+        ["run", "attention", "kv pairs", "seeds", metric, "spread", "best eval acc"],
+        [[r["name"], setting(r), str(r["num_kv_pairs"] or ""), str(len(r["seeds"])), f"{r[metric]:.4f}",
+          f"{r['spread']:.4f}", f"{r['best_eval_accuracy']:.4f}"] for r in settings])
+  for base in (r for r in settings if r["attention"] == "softmax"):
+    others = [r for r in settings if r["attention"] == "favor" and all(r.get(f) == base.get(f) for f in COMPARED_ON)]
     if others:
       pairs = f", {base['num_kv_pairs']} kv pairs" if base["num_kv_pairs"] else ""
-      lines += ["", f"Relative to softmax ({base['name']}{pairs}, mean over seeds): {metric} ratio run / softmax"]
-      lines += [f"- {r['name']}: {r[metric] / base[metric]:.3f}" for r in others]
+      ratio = f" {metric} ratio run / softmax" if metric != "eval_accuracy" else ""
+      lines += ["", f"Relative to softmax ({base['name']}{pairs}{_seeds(base)}):{ratio}"]
+      lines += [compared_with_softmax(r, base, metric) for r in others]
   pairs = [(r, s) for r in records for s in records if r["redraw_every"] and not s["redraw_every"]
            and all(r.get(f) == s.get(f) for f in SETTING if f != "redraw_every") and r["seed"] == s["seed"]]
   if pairs:
-    lines += ["", "## Feature redraw (same setting and seed)", "",
-              f"| kernel | M | redraw every | {metric} with redraw | without | best acc with | without |",
-              "|" + "---|" * 7]
-    lines += [f"| {r['kernel']} | {r['num_features']} | {r['redraw_every']} | {r[metric]:.4f} | {s[metric]:.4f} | "
-              f"{r['best_eval_accuracy']:.4f} | {s['best_eval_accuracy']:.4f} |" for r, s in pairs]
+    lines += ["", "## Feature redraw (same setting and seed)", ""]
+    lines += markdown_table(
+        ["kernel", "M", "redraw every", f"{metric} with redraw", "without", "best acc with", "without"],
+        [[r["kernel"], str(r["num_features"]), str(r["redraw_every"]), f"{r[metric]:.4f}", f"{s[metric]:.4f}",
+          f"{r['best_eval_accuracy']:.4f}", f"{s['best_eval_accuracy']:.4f}"] for r, s in pairs])
   return "\n".join(lines) + "\n"
 
 
 def plot(records: list[dict], config, workdir: str) -> list[str]:
-  import json
+  """curves.png (every run's training and evaluation curves) and state.png (quality against decoding state, one
+  point per setting): each run in the colour, marker and label it has in every figure of the study."""
   curves = {}
   for r in records:
     with open(os.path.join(workdir, r["name"], "metrics.jsonl")) as f:
       curves[r["name"]] = [json.loads(line) for line in f]
-  paths = [plotting.training_curves(curves, os.path.join(workdir, "curves.png"))]
+  style = plotting.run_styles(curves)
+  paths = [plotting.training_curves(curves, os.path.join(workdir, "curves.png"), style)]
   metric = _main_metric(records)
-  paths.append(plotting.quality_vs_state(mean_over_seeds(records, metric), metric, setting,
+  paths.append(plotting.quality_vs_state(mean_over_seeds(records, metric), metric, style,
                                          os.path.join(workdir, "state.png")))
   return paths

@@ -51,11 +51,13 @@ def check_timing(config) -> None:
   check_sizes(config)
 
 
-def median_of(thunk, repeats: int = 5) -> float:
-  """Median seconds of ``thunk()`` over ``repeats`` (>= 1) runs, after one warm-up run (compilation)."""
+def median_of(thunk, repeats: int = 5, warmup: bool = True) -> float:
+  """Median seconds of ``thunk()`` over ``repeats`` (>= 1) runs, after one warm-up run (compilation) unless
+  ``warmup`` is False (a thunk calling an already compiled program)."""
   if repeats < 1:
     raise ValueError(f"repeats must be >= 1, got {repeats}")
-  thunk()
+  if warmup:
+    thunk()
   times = []
   for _ in range(repeats):
     start = time.perf_counter()

@@ -68,10 +68,17 @@ def time_setting(config, steps: int, repeats: int, long_length: int) -> tuple[fl
   rate = steps / median_of(block, repeats)
   if not long_length:
     return rate, float("nan")
-  long_step = train_step(models.make_model(config, run.task.vocab_size, run.task.num_classes, long_length))
-  tokens = jax.random.randint(jax.random.PRNGKey(0), (1, long_length), 1, run.task.vocab_size)
-  batch = tasks.Batch(tokens, tokens, jnp.ones(tokens.shape, jnp.float32))
+  long_step, batch = long_train_step(config, run, long_length)
   return rate, median_of(lambda: jax.block_until_ready(long_step(run.state, batch).params), repeats)
+
+
+def long_train_step(config, run: training.Setup, length: int):
+  """(the jitted train step of ``config``'s model built for ``length`` tokens, a batch of one random sequence of
+  ``length`` tokens): it steps ``run.state`` (rotary positions: the parameters do not depend on the length)."""
+  model = models.make_model(config, run.task.vocab_size, run.task.num_classes, length)
+  step = training.make_train_step(model, run.optimizer, config.attention.redraw_every, jax.random.PRNGKey(1))
+  tokens = jax.random.randint(jax.random.PRNGKey(0), (1, length), 1, run.task.vocab_size)
+  return step, tasks.Batch(tokens, tokens, jnp.ones(tokens.shape, jnp.float32))
 
 
 def run(config, progress=print, workdir=None):

@@ -1,5 +1,7 @@
 """favor_jax: Performer-style random-feature attention (FAVOR+ and successors) in JAX."""
 
+from importlib import metadata as _metadata
+
 from favor_jax import core
 from favor_jax.core import (
     favor_attention,
@@ -19,4 +21,9 @@ __all__ = [
     "simplex_projection",
     "softmax_attention",
 ]
-__version__ = "0.1.0"
+
+
+try:
+  __version__ = _metadata.version("favor_jax")  # the installed distribution's version
+except _metadata.PackageNotFoundError:  # a checkout used without installing it (PYTHONPATH)
+  __version__ = "0+unknown"

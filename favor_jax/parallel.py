@@ -26,10 +26,11 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Bool, Float, Int
 
 from favor_jax.core import bidirectional as bidirectional_lib
-from favor_jax.core import causal as causal_lib
-from favor_jax.core import checks, shared
+from favor_jax.core import causal_xla, checks, inputs
+from favor_jax.core import features as features_lib
 from favor_jax.core import gates as gates_lib
 from favor_jax.core import hybrid as hybrid_lib
+from favor_jax.core import state as state_lib
 
 __all__ = ["sequence_parallel_attention", "communication_bytes"]
 
@@ -78,25 +79,17 @@ def sequence_parallel_attention(
   record) is called with ``stabilize=False`` here, causal or not (each device sees part of the keys): its
   features must stay within float32's range (see :func:`favor_attention`), where one device's bidirectional
   call stabilises them.
-
-  ``log_gate`` (causal) and ``segment_ids`` as in :func:`favor_attention`: each device's state is summarised
-  with the sum of its gates, and an earlier device's state reaches a later one decayed by the gates in between
-  (a reset, e.g. a segment starting on a device edge, cuts it). Bidirectional segments: the same causal pass
-  with a reset at each segment start, plus one over the reversed sequence (keys after the query), merged.
-
-  Raises:
-    ValueError, TypeError: a bad argument (named).
   """
   _check_axis(mesh, axis_name)
   if batch_axis is not None:
     _check_axis(mesh, batch_axis, "batch_axis")
     if batch_axis == axis_name:
       raise ValueError(f"batch_axis must differ from axis_name (the sequence's axis), got {batch_axis!r} for both")
-  shared.validate(query, key, value, key_mask, causal)
+  inputs.validate(query, key, value, key_mask, causal)
   if query.shape[-3] != key.shape[-3]:
     raise ValueError(f"sequence-parallel attention needs query and key of one length; got query "
                      f"{query.shape} and key {key.shape}")
-  kern, data_dependent = shared.resolve_kernel(kernel, projection, rho, query)
+  kern, data_dependent = features_lib.resolve_kernel(kernel, projection, rho, query)
   if data_dependent and rho is None:
     raise ValueError(f"kernel {kernel!r} needs an explicit rho {kern.statistic_shape(query.shape)} under "
                      f"sequence parallelism (e.g. kernels.{kern.compute_statistic.__name__}(query, key) "
@@ -109,11 +102,8 @@ def sequence_parallel_attention(
   chunk_size = checks.check_chunk_size(chunk_size)
   gates = gates_lib.prepare(log_gate, segment_ids, query, causal)
 
-  batch = query.shape[:-3]
-  q, k, v = (shared.flatten(x, batch) for x in (query, key, value))
-  mask = shared.mask_NL(key_mask, key)
-  rho_NH = shared.flat_rho(rho, query, kern)
-  if batch_axis is not None and q.shape[0] % mesh.shape[batch_axis]:
+  rho_NH = features_lib.flat_rho(rho, query, kern)
+  if batch_axis is not None and math.prod(query.shape[:-3]) % mesh.shape[batch_axis]:
     batch_axis = None  # a layout hint only: a batch the axis does not divide (e.g. at init) is replicated
   seq = P(batch_axis, axis_name)
   # q, k, v, mask split along the sequence (and batch); the projection on every device; ρ [N, H, ...] split
@@ -125,11 +115,13 @@ def sequence_parallel_attention(
     kern = _ByIdentity(kern)
   run = functools.partial(_sharded, projection=projection, rho_NH=rho_NH, mesh=mesh, axis_name=axis_name,
                           specs=specs, kern=kern, chunk_size=chunk_size)
-  if gates is None:
-    out = run(q, k, v, mask, None, causal=bool(causal))
-  elif causal:
-    out = run(q, k, v, mask, gates.log, causal=True)
-  else:  # keys j ≤ t with a reset at each segment start, keys j > t over the reversed sequence (delayed by one)
+
+  def flat(q, k, v, mask):
+    if gates is None:
+      return run(q, k, v, mask, None, causal=bool(causal)), None
+    if causal:
+      return run(q, k, v, mask, gates.log, causal=True), None
+    # Keys j ≤ t with a reset at each segment start, keys j > t over the reversed sequence (delayed by one).
     forward = jnp.broadcast_to(jnp.where(gates.start, -jnp.inf, 0.0)[..., None], q.shape[:3])
     back = jnp.broadcast_to(hybrid_lib.reverse_gate(gates.start), q.shape[:3])
     rev = lambda x: jnp.flip(x, axis=1)
@@ -137,9 +129,10 @@ def sequence_parallel_attention(
     parts = (run(q, k, v, mask, forward, causal=True, terms=True),
              tuple(map(rev, run(rev(q), shift(k), shift(v), shift(mask, False), back, causal=True, terms=True,
                                 key_offset=back))))
-    bad = shared.split_nonfinite(q, k, v, mask, causal=False, gates=gates)[3]
-    out = shared.poison(shared.divide(*hybrid_lib.merge(*parts)), bad)
-  return out.reshape(batch + out.shape[1:]).astype(shared.out_dtype(query, key, value))
+    bad = inputs.split_nonfinite(q, k, v, mask, causal=False, gates=gates)[3]
+    return inputs.poison(state_lib.divide(*hybrid_lib.merge(*parts)), bad), None
+
+  return inputs.over_batch(flat, query, key, value, key_mask)[0]
 
 
 class _ByIdentity:
@@ -155,15 +148,15 @@ def _sharded(q, k, v, mask, gate, projection, rho_NH, *, mesh, axis_name, specs,
   """The per-device computation under ``shard_map``, the padding of L to a multiple of the axis size and its
   removal around it; compiled (once per shape and static choice) even when the caller is eager: ``shard_map``
   executed op by op is far slower, and the padding's transpose on an explicit mesh needs the compiler.
-  ``gate`` [N, L, H] (causal; None: none) and ``key_offset`` as in ``causal.chunked``; ``terms``: return
+  ``gate`` [N, L, H] (causal; None: none) and ``key_offset`` as in ``causal_xla.chunked``; ``terms``: return
   (num, den, log-scale) for a merge (non-finite inputs not marked: the caller's other pass is their rule)."""
   kern = kern.kern if isinstance(kern, _ByIdentity) else kern
   length = q.shape[1]
   padded = -(-length // mesh.shape[axis_name]) * mesh.shape[axis_name]
-  q, k, v = (shared.pad_to(x, padded) for x in (q, k, v))
-  mask = shared.pad_to(mask, padded, False)
+  q, k, v = (inputs.pad_to(x, padded) for x in (q, k, v))
+  mask = inputs.pad_to(mask, padded, False)
   gated = gate is not None
-  gate, key_offset = (None if x is None else shared.pad_to(x, padded) for x in (gate, key_offset))
+  gate, key_offset = (None if x is None else inputs.pad_to(x, padded) for x in (gate, key_offset))
   args = (q, k, v, mask, projection, rho_NH, gate, key_offset)
   specs = specs + (specs[0],) * 2
   explicit = jax.sharding.AxisType.Explicit in mesh.axis_types
@@ -172,22 +165,25 @@ def _sharded(q, k, v, mask, gate, projection, rho_NH, *, mesh, axis_name, specs,
 
   def local(q, k, v, mask, projection, rho_NH, gate, key_offset):
     # Row-local feature stabilisation only: a max over "all positions" would differ per device.
-    feature_fn = shared.feature_fn_for(kern, projection, rho_NH, causal=True)
+    features = features_lib.of_kernel(kern, projection, rho_NH, causal=True)
     gates = gates_lib.Gates(gate, None, None) if gated else None
-    q, k, v, bad, _ = shared.split_nonfinite(q, k, v, mask, causal=causal, axis_name=axis_name, gates=gates)
-    v = v.astype(jnp.float32)
-    if gated:
-      a, summary = gates_lib.key_state(feature_fn, k, v, mask, gate, key_offset)
-      prefix = gates_lib.exclusive_prefix(a, summary, axis_name)
-      out = causal_lib.chunked(feature_fn, q, k, v, mask, chunk_size=chunk_size, state=prefix, gate=gate,
-                               key_offset=key_offset, return_scale=terms, divide=not terms)
-      return out if terms else shared.poison(out, bad)
-    if causal:
-      prefix = causal_lib.exclusive_prefix(shared.key_state(feature_fn, k, v, mask), axis_name)
-      out = causal_lib.chunked(feature_fn, q, k, v, mask, chunk_size=chunk_size, state=prefix, divide=True)
-    else:
-      out = bidirectional_lib.bidirectional(feature_fn, q, k, v, mask, axis_name=axis_name, divide=True)
-    return shared.poison(out, bad)
+
+    def algorithm(q, k, v, mask, _):
+      v = v.astype(jnp.float32)
+      if gated:
+        a, summary = gates_lib.key_state(features, k, v, mask, gate, key_offset)
+        prefix = gates_lib.exclusive_prefix(a, summary, axis_name)
+        return causal_xla.chunked(features, q, k, v, mask, chunk_size=chunk_size, state=prefix, gate=gate,
+                                  key_offset=key_offset, return_scale=terms, divide=not terms), None
+      if causal:
+        prefix = causal_xla.exclusive_prefix(state_lib.key_state(features, k, v, mask), axis_name)
+        return causal_xla.chunked(features, q, k, v, mask, chunk_size=chunk_size, state=prefix, divide=True), None
+      return bidirectional_lib.bidirectional(features, q, k, v, mask, axis_name=axis_name, divide=True), None
+
+    if terms:  # inputs zeroed, rows not marked (see above)
+      q, k, v, _, _ = inputs.split_nonfinite(q, k, v, mask, causal=True, axis_name=axis_name, gates=gates)
+      return algorithm(q, k, v, mask, None)[0]
+    return inputs.without_nonfinite(algorithm, q, k, v, mask, causal=causal, axis_name=axis_name, gates=gates)[0]
 
   out = jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=(specs[0],) * 3 if terms else specs[0])(*args)
   if padded != length:

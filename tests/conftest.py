@@ -12,7 +12,8 @@ jax.config.update("jax_default_matmul_precision", "highest")
 # Files led by tests that run for minutes in processes of their own: scheduled first (with
 # --no-loadscope-reorder, pyproject.toml), so that neither xdist worker is left running one of them alone at
 # the end while the other idles.
-FIRST = ("tests/parallel/test_multidevice.py", "tests/experiments/test_multihost.py",
+FIRST = ("tests/parallel/test_multidevice.py", "tests/test_notebooks.py", "tests/experiments/test_multihost.py",
+         "tests/test_docs.py", "tests/test_structure.py",
          "tests/experiments/test_experiments.py", "tests/experiments/test_quality_study.py",
          "tests/experiments/test_training.py",
          # then the longest of the rest (worker-seconds, --durations=0 on 2026-12-02), longest first: the run

@@ -1,9 +1,15 @@
 """favor_jax.core: pure functions for random-feature attention (no Flax, explicit PRNG keys).
 
 Modules: ``projections`` (ω and their registry), ``kernels`` (feature maps, one
-record each), ``attention`` (the public attention functions), ``bidirectional``
-and ``causal`` (the algorithms), ``hybrid`` (local exact + global kernel), ``weights``
-(explicit weights), ``shared`` (what those share), ``checks``.
+record each) and ``statistics`` (the data-dependent kernels' statistics),
+``attention`` (the public attention functions), ``weights`` (explicit weights).
+One call's path: ``attention`` → ``inputs`` (checks of ``checks``, the batch
+flattened, non-finite inputs: the envelope around the algorithm) → ``features``
+(the kernel resolved into a ``Features`` record) → the algorithm:
+``bidirectional``, ``causal`` (``causal_method`` chosen in one place) over
+``causal_xla`` (XLA passes) and ``fused`` (Pallas), or ``hybrid`` (local exact +
+global kernel) → ``state`` (the log-domain state of keys, its read-out and the
+guarded division) → the output, back through ``inputs``.
 
 Shape letters, used in names inside the math (``phi_q_NHlF``) and in the
 jaxtyping annotations of public signatures:
@@ -45,7 +51,7 @@ from favor_jax.core.projections import (
     orthogonal_projection,
     simplex_projection,
 )
-from favor_jax.core.shared import RecurrentState
+from favor_jax.core.state import RecurrentState
 from favor_jax.core.weights import attention_weights
 
 __all__ = [

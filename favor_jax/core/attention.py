@@ -2,6 +2,10 @@
 
 Layout: query ``[..., Lq, H, D]``, key ``[..., Lk, H, D]``, value ``[..., Lk, H, Dv]``,
 output ``[..., Lq, H, Dv]`` in the inputs' dtype; float32 inside.
+
+Each public function checks its arguments once, here (``inputs.validate``, ``checks``), resolves its
+kernel into a :class:`~favor_jax.core.features.Features` record, and runs its algorithm
+(``bidirectional``, ``causal``'s methods, ``hybrid``) inside the input envelope (``inputs.envelope``).
 """
 
 from __future__ import annotations
@@ -14,10 +18,13 @@ from jaxtyping import Array, Bool, Float, Int
 
 from favor_jax.core import bidirectional as bidirectional_lib
 from favor_jax.core import causal as causal_lib
-from favor_jax.core import checks, shared
+from favor_jax.core import causal_xla, checks, inputs
+from favor_jax.core import features as features_lib
 from favor_jax.core import gates as gates_lib
 from favor_jax.core import hybrid as hybrid_lib
 from favor_jax.core import kernels as kernels_lib
+from favor_jax.core import state as state_lib
+from favor_jax.core.features import for_call as _feature_fn  # (tests and experiments/blocks.py read it here)
 
 __all__ = [
     "softmax_attention", "linear_attention", "favor_attention", "hybrid_attention", "favor_decode_init",
@@ -45,44 +52,38 @@ def softmax_attention(
   Raises:
     ValueError, TypeError: a bad argument (named), ``log_gate`` with ``causal=False``.
   """
-  shared.validate(query, key, value, key_mask, causal)
+  inputs.validate(query, key, value, key_mask, causal)
   gates = gates_lib.prepare(log_gate, segment_ids, query, causal)
-  batch = query.shape[:-3]
-  mask = shared.mask_NL(key_mask, key)
-  q, k, v, bad, _ = shared.split_nonfinite(*(shared.flatten(x, batch) for x in (query, key, value)), mask,
-                                              causal=causal, gates=gates)
-  f32 = jnp.float32
-  logits = jnp.einsum("nqhd,nkhd->nhqk", q.astype(f32), k.astype(f32)) / math.sqrt(query.shape[-1])
-  allowed = mask[:, None, None, :]
-  if causal:
-    allowed = allowed & jnp.tril(jnp.ones(logits.shape[-2:], bool))
-  logits = gates_lib.biased(logits, gates, causal)
-  logits = jnp.where(allowed, logits, -jnp.inf)
-  peak = jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
-  weights = jnp.exp(logits - jnp.where(jnp.isfinite(peak), peak, 0.0))
-  num = jnp.einsum("nhqk,nkhd->nqhd", weights, v.astype(f32))
-  out = shared.poison(shared.divide(num, jnp.moveaxis(jnp.sum(weights, axis=-1), -2, -1)), bad)
-  return out.reshape(batch + out.shape[1:]).astype(shared.out_dtype(query, key, value))
+
+  def exact(q, k, v, mask):
+    f32 = jnp.float32
+    logits = jnp.einsum("nqhd,nkhd->nhqk", q.astype(f32), k.astype(f32)) / math.sqrt(query.shape[-1])
+    allowed = mask[:, None, None, :]
+    if causal:
+      allowed = allowed & jnp.tril(jnp.ones(logits.shape[-2:], bool))
+    logits = jnp.where(allowed, gates_lib.biased(logits, gates, causal), -jnp.inf)
+    peak = jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
+    weights = jnp.exp(logits - jnp.where(jnp.isfinite(peak), peak, 0.0))
+    num = jnp.einsum("nhqk,nkhd->nqhd", weights, v.astype(f32))
+    return state_lib.divide(num, jnp.moveaxis(jnp.sum(weights, axis=-1), -2, -1))
+
+  return inputs.envelope(exact, query, key, value, key_mask, causal=causal, in_range=False, gates=gates)
 
 
-def _run(feature_fn, query, key, value, key_mask, causal, causal_method, chunk_size, gates=None):
-  batch = query.shape[:-3]
-  mask = shared.mask_NL(key_mask, key)
-  q, k, v, bad, _ = shared.split_nonfinite(*(shared.flatten(x, batch) for x in (query, key, value)), mask,
-                                              causal=causal, gates=gates)
-  v = v.astype(jnp.float32)
-  gate = {} if gates is None or not causal else {"gate": gates.log}
-  if not causal and gates is not None:
-    out = shared.divide(*hybrid_lib.segmented(feature_fn, q, k, v, mask, gates.start, chunk_size))
-  elif not causal:
-    out = bidirectional_lib.bidirectional(feature_fn, q, k, v, mask, divide=True)
-  elif causal_method in ("auto", "chunked", "pallas"):
-    out = causal_lib.CAUSAL_METHODS[causal_method](feature_fn, q, k, v, mask, chunk_size=chunk_size, divide=True,
-                                                   **gate)
-  else:
-    out = shared.divide(*causal_lib.CAUSAL_METHODS[causal_method](feature_fn, q, k, v, mask, **gate))
-  out = shared.poison(out, bad)
-  return out.reshape(batch + out.shape[1:]).astype(shared.out_dtype(query, key, value))
+def _linear(features, query, key, value, key_mask, causal, causal_method, chunk_size, in_range=True, gates=None):
+  """Normalised linear attention by ``features`` in the input envelope: the bidirectional pass (within
+  segments: ``hybrid.segmented``), or the causal one ``causal_method`` chooses (arguments checked by the
+  caller); ``gates`` a ``gates.Gates``."""
+  def algorithm(q, k, v, mask):
+    v = v.astype(jnp.float32)
+    if not causal and gates is not None:
+      return state_lib.divide(*hybrid_lib.segmented(features, q, k, v, mask, gates.start, chunk_size))
+    if not causal:
+      return bidirectional_lib.bidirectional(features, q, k, v, mask, divide=True)
+    return causal_lib.attend(features, q, k, v, mask, causal_method=causal_method, chunk_size=chunk_size,
+                             gate=None if gates is None else gates.log)
+
+  return inputs.envelope(algorithm, query, key, value, key_mask, causal=causal, in_range=in_range, gates=gates)
 
 
 def linear_attention(
@@ -104,20 +105,16 @@ def linear_attention(
   Equals ``(A v) / (A 1)`` with ``A = φ ψᵀ`` (lower-triangular if causal) without
   forming A. Rows with a zero denominator return 0. Features are used as given. ``log_gate`` and
   ``segment_ids`` as in :func:`favor_attention`.
+
+  Raises:
+    ValueError, TypeError: a bad argument (named).
   """
-  shared.validate(query_features, key_features, value, key_mask, causal, "query_features", "key_features")
+  inputs.validate(query_features, key_features, value, key_mask, causal, "query_features", "key_features")
   checks.check_causal_method(causal_method, causal_lib.CAUSAL_METHODS, causal)
   chunk_size = checks.check_chunk_size(chunk_size)
   gates = gates_lib.prepare(log_gate, segment_ids, query_features, causal, method=causal_method)
-
-  def feature_fn(qf, kf):
-    as_is = lambda x: kernels_lib.LogFeatures(None, x.astype(jnp.float32))
-    return as_is(qf), as_is(kf)
-
-  feature_fn.layout_free = True
-  return _run(feature_fn, query_features, key_features, value, key_mask, causal,
-              causal_method, chunk_size, gates)
-
+  return _linear(features_lib.as_given(), query_features, key_features, value, key_mask, causal, causal_method,
+                 chunk_size, in_range=False, gates=gates)
 
 
 def favor_attention(
@@ -199,29 +196,13 @@ def favor_attention(
   Raises:
     ValueError, TypeError: a bad argument (named).
   """
-  shared.validate(query, key, value, key_mask, causal, query_mask=query_mask)
+  inputs.validate(query, key, value, key_mask, causal, query_mask=query_mask)
   checks.check_causal_method(causal_method, causal_lib.CAUSAL_METHODS, causal)
   chunk_size = checks.check_chunk_size(chunk_size)
   gates = gates_lib.prepare(log_gate, segment_ids, query, causal, method=causal_method)
-  feature_fn = _feature_fn(kernel, projection, rho, query, key, key_mask, causal, blocked=gates is not None,
-                           query_mask=query_mask)
-  return _run(feature_fn, query, key, value, key_mask, causal, causal_method, chunk_size, gates)
-
-
-def _feature_fn(kernel, projection, rho, query, key, key_mask, causal, blocked=False, query_mask=None):
-  """The kernel's feature_fn, with its statistic from the whole sequence (its unmasked keys, the queries
-  of ``query_mask``) unless causal (then given).
-
-  ``blocked``: the features are taken block by block even when not causal, so a
-  user callable must not stabilise its keys over the call's positions.
-  """
-  kern, data_dependent = shared.resolve_kernel(kernel, projection, rho, query)
-  if data_dependent and rho is None:
-    if causal:
-      raise kernels_lib.causal_statistic_error(kern, query)
-    rho = kern.compute_statistic(query, key, key_mask, query_mask)
-  rho_NH = shared.flat_rho(rho, query, kern)
-  return shared.feature_fn_for(kern, projection, rho_NH, causal or blocked)
+  features = _feature_fn(kernel, projection, rho, query, key, key_mask, causal, blocked=gates is not None,
+                         query_mask=query_mask)
+  return _linear(features, query, key, value, key_mask, causal, causal_method, chunk_size, gates=gates)
 
 
 def hybrid_attention(
@@ -256,25 +237,22 @@ def hybrid_attention(
   Raises:
     ValueError, TypeError: a bad argument (named).
   """
-  shared.validate(query, key, value, key_mask, causal, query_mask=query_mask)
+  inputs.validate(query, key, value, key_mask, causal, query_mask=query_mask)
   checks.check_causal_lengths(query, key, "hybrid attention (its window is positions t − j, causal or not)")
   window = checks.check_window(window)
   chunk_size = checks.check_chunk_size(chunk_size)
   gates = gates_lib.prepare(log_gate, segment_ids, query, causal)
+  # Window 0 is favor_attention with causal_method "auto", its other arguments checked above.
+  features = _feature_fn(kernel, projection, rho, query, key, key_mask, causal,
+                         blocked=window > 0 or gates is not None, query_mask=query_mask)
   if window == 0:
-    return favor_attention(query, key, value, projection, kernel=kernel, causal=causal, key_mask=key_mask,
-                           rho=rho, chunk_size=chunk_size, query_mask=query_mask, log_gate=log_gate,
-                           segment_ids=segment_ids)
-  feature_fn = _feature_fn(kernel, projection, rho, query, key, key_mask, causal, blocked=True,
-                           query_mask=query_mask)
-  batch = query.shape[:-3]
-  mask = shared.mask_NL(key_mask, key)
-  q, k, v, bad, _ = shared.split_nonfinite(*(shared.flatten(x, batch) for x in (query, key, value)), mask,
-                                              causal=causal, gates=gates)
-  q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
-  num, den = hybrid_lib.hybrid(feature_fn, q, k, v, mask, window, causal, chunk_size, gates)
-  out = shared.poison(shared.divide(num, den), bad)
-  return out.reshape(batch + out.shape[1:]).astype(shared.out_dtype(query, key, value))
+    return _linear(features, query, key, value, key_mask, causal, "auto", chunk_size, gates=gates)
+
+  def algorithm(q, k, v, mask):
+    q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
+    return state_lib.divide(*hybrid_lib.hybrid(features, q, k, v, mask, window, causal, chunk_size, gates))
+
+  return inputs.envelope(algorithm, query, key, value, key_mask, causal=causal, gates=gates)
 
 
 def favor_decode_init(
@@ -284,7 +262,7 @@ def favor_decode_init(
     *,
     kernel="positive",
     window: int = 0,
-) -> shared.RecurrentState | hybrid_lib.HybridState:
+) -> state_lib.RecurrentState | hybrid_lib.HybridState:
   """The empty state for :func:`favor_decode_step`, sized from one step's inputs.
 
   ``window=0``: a :class:`RecurrentState`, S = Σ_j e^{log φ(k_j) − μ}[v_j, 1]ᵀ per
@@ -297,20 +275,20 @@ def favor_decode_init(
   and projection it was built with are not recorded (a state is arrays only, to
   pass through jit and scans): continue it with those it was made with.
   """
-  shared.validate(query, query, value, None, True)
+  inputs.validate(query, query, value, None, True)
   window = checks.check_window(window)
-  kern, data_dependent = shared.resolve_kernel(kernel, projection, None, query)
+  kern, data_dependent = features_lib.resolve_kernel(kernel, projection, None, query)
   rho = jnp.zeros(kern.statistic_shape(query.shape)) if data_dependent else None
-  feature_fn = shared.feature_fn_for(kern, projection, shared.flat_rho(rho, query, kern), True)
+  features = features_lib.of_kernel(kern, projection, features_lib.flat_rho(rho, query, kern), True)
   batch = query.shape[:-3]
-  q, v = shared.flatten(query, batch), shared.flatten(value, batch)
-  return _state_batch(_empty_state(feature_fn, q, q, v, window), batch)
+  q, v = inputs.flatten(query, batch), inputs.flatten(value, batch)
+  return _state_batch(_empty_state(features, q, q, v, window), batch)
 
 
-def _empty_state(feature_fn, q, k, v, window):
+def _empty_state(features, q, k, v, window):
   if window:
-    return hybrid_lib.initial_state(feature_fn, q, v, window)
-  return shared.initial_state(feature_fn, q, k, v)._replace(segment=jnp.zeros(q.shape[:1], jnp.int32))
+    return hybrid_lib.initial_state(features, q, v, window)
+  return state_lib.initial_state(features, q, k, v)._replace(segment=jnp.zeros(q.shape[:1], jnp.int32))
 
 
 def _state_batch(state, batch):
@@ -320,13 +298,13 @@ def _state_batch(state, batch):
 
 def _state_flat(state, batch):
   """Inverse of :func:`_state_batch`: the leading dimensions ``batch`` flattened into one."""
-  return jax.tree.map(lambda x: shared.flatten(x, batch) if x.ndim else x, state)
+  return jax.tree.map(lambda x: inputs.flatten(x, batch) if x.ndim else x, state)
 
 
 def _check_state(state, want):
   """``state`` as the type ``want`` has (a plain (mu, s) tuple is taken as a RecurrentState), or a clear error."""
-  if isinstance(want, shared.RecurrentState) and type(state) is tuple and len(state) == 2:
-    state = shared.RecurrentState(*state, segment=jnp.zeros(want.segment.shape, want.segment.dtype))
+  if isinstance(want, state_lib.RecurrentState) and type(state) is tuple and len(state) == 2:
+    state = state_lib.RecurrentState(*state, segment=jnp.zeros(want.segment.shape, want.segment.dtype))
   leaves = lambda s: [getattr(x, "shape", None) for x in jax.tree_util.tree_leaves(s)]
   if type(state) is not type(want) or leaves(state) != leaves(want):
     got = f"{type(state).__name__} with shapes {leaves(state)}"
@@ -343,7 +321,7 @@ def _check_state(state, want):
 
 
 def favor_decode_step(
-    state: shared.RecurrentState | hybrid_lib.HybridState,
+    state: state_lib.RecurrentState | hybrid_lib.HybridState,
     query: Float[Array, "... l H D"],
     key: Float[Array, "... l H D"],
     value: Float[Array, "... l H Dv"],
@@ -356,7 +334,7 @@ def favor_decode_step(
     window: int = 0,
     log_gate: Float[Array, "... l H"] | None = None,
     segment_ids: Int[Array, "... l"] | None = None,
-) -> tuple[shared.RecurrentState | hybrid_lib.HybridState, Float[Array, "... l H Dv"]]:
+) -> tuple[state_lib.RecurrentState | hybrid_lib.HybridState, Float[Array, "... l H Dv"]]:
   """Continues causal FAVOR attention from ``state`` by l ≥ 1 tokens; O(M·Dv) state per head:
 
       S ← S + φ(k_t)[v_t, 1]ᵀ,   out_t = φ(q_t)ᵀS[:, :Dv] / φ(q_t)ᵀS[:, Dv]
@@ -375,39 +353,40 @@ def favor_decode_step(
   Raises:
     ValueError, TypeError: a bad argument (named), or a state of other sizes.
   """
-  shared.validate(query, key, value, key_mask, True)
+  inputs.validate(query, key, value, key_mask, True)
   chunk_size = checks.check_chunk_size(chunk_size)
   window = checks.check_window(window)
-  feature_fn = _feature_fn(kernel, projection, rho, query, key, key_mask, True)
+  features = _feature_fn(kernel, projection, rho, query, key, key_mask, True)
   batch = query.shape[:-3]
-  q, k, v = (shared.flatten(x, batch) for x in (query, key, value))
-  want = jax.eval_shape(lambda *x: _state_batch(_empty_state(feature_fn, *x, window), batch), q, k, v)
+  want = jax.eval_shape(lambda *x: _state_batch(_empty_state(features, *(inputs.flatten(y, batch) for y in x),
+                                                             window), batch), query, key, value)
   state = _state_flat(_check_state(state, want), batch)
   gates = gates_lib.prepare(log_gate, segment_ids, query, True, previous=state.segment)
   segment = state.segment if segment_ids is None else jnp.broadcast_to(
       segment_ids, query.shape[:-2]).reshape(-1, query.shape[-3])[:, -1].astype(jnp.int32)
   gate = None if gates is None else gates.log
   recurrent = state.recurrent if window else state
-  mask = shared.mask_NL(key_mask, key)
   poisoned = ~jnp.all(jnp.isfinite(recurrent.s), axis=(-2, -1)) | jnp.any(jnp.isnan(recurrent.mu), axis=-1)
-  q, k, v, bad, poisoned = shared.split_nonfinite(q, k, v, mask, causal=True, prior=poisoned, gates=gates)
-  q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
   clean = lambda s: s._replace(**{f: jnp.where(jnp.isfinite(x) | jnp.isneginf(x), x, 0.0)
                                   for f, x in (("mu", s.mu), ("s", s.s))}, segment=None)  # the passes' carry
-  spoil = lambda s: s._replace(**{f: jnp.where(poisoned.reshape(poisoned.shape + (1,) * (x.ndim - 2)), jnp.nan, x)
-                                  for f, x in (("mu", s.mu), ("s", s.s))})
-  if window:
-    state, num, den = hybrid_lib.step(feature_fn, state._replace(recurrent=clean(recurrent)), q, k, v, mask, gate)
-    state = state._replace(recurrent=spoil(state.recurrent), segment=segment)
-  elif q.shape[1] == 1:
-    fq, fk = feature_fn(q, k)
-    first = lambda f: kernels_lib.LogFeatures(*(None if x is None else x[:, 0] for x in f))
-    state, num, den = causal_lib.advance(clean(state), first(fq), first(fk), v[:, 0], mask[:, 0],
+
+  def step(q, k, v, mask, seen):  # seen [N, H]: a non-finite key or value up to the last token (or before)
+    spoil = lambda s: s._replace(**{f: jnp.where(seen.reshape(seen.shape + (1,) * (x.ndim - 2)), jnp.nan, x)
+                                    for f, x in (("mu", s.mu), ("s", s.s))})
+    q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
+    if window:
+      new, num, den = hybrid_lib.step(features, state._replace(recurrent=clean(recurrent)), q, k, v, mask, gate)
+      return state_lib.divide(num, den), new._replace(recurrent=spoil(new.recurrent), segment=segment)
+    if q.shape[1] == 1:
+      fq, fk = features.fn(q, k)
+      first = lambda f: kernels_lib.LogFeatures(*(None if x is None else x[:, 0] for x in f))
+      new, num, den = causal_xla.advance(clean(state), first(fq), first(fk), v[:, 0], mask[:, 0],
                                          gate=None if gate is None else gate[:, 0])
-    num, den, state = num[:, None], den[:, None], spoil(state)._replace(segment=segment)
-  else:
-    num, den, state = causal_lib.chunked(feature_fn, q, k, v, mask, chunk_size=chunk_size, state=clean(state),
+      num, den = num[:, None], den[:, None]
+    else:
+      num, den, new = causal_xla.chunked(features, q, k, v, mask, chunk_size=chunk_size, state=clean(state),
                                          return_state=True, gate=gate)
-    state = spoil(state)._replace(segment=segment)
-  out = shared.poison(shared.divide(num, den), bad)
-  return _state_batch(state, batch), out.reshape(batch + out.shape[1:]).astype(shared.out_dtype(query, key, value))
+    return state_lib.divide(num, den), spoil(new)._replace(segment=segment)
+
+  out, state = inputs.decode_envelope(step, query, key, value, key_mask, prior=poisoned, gates=gates)
+  return _state_batch(state, batch), out

@@ -1,6 +1,6 @@
 """Causal FAVOR as fused Pallas kernels (Triton on GPU; Pallas's interpreter elsewhere): ``causal_method="pallas"``.
 
-The same estimator as :func:`favor_jax.core.causal.chunked`, computed by four kernels over chunks of C
+The same estimator as :func:`favor_jax.core.causal_xla.chunked`, computed by four kernels over chunks of C
 rows, with the features in log domain (φ = exp(log)) and every stabiliser taken from keys a row may see:
 
 - ``_states_kernel`` (one program per (sequence·head, feature block), chunks in order): the state before
@@ -34,8 +34,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from favor_jax.core import causal as causal_lib
-from favor_jax.core import shared
+from favor_jax.core.features import exponential_features, head_major
+from favor_jax.core.state import SAFE_GAP, parts
 
 NEG_INF = -jnp.inf
 
@@ -47,6 +47,12 @@ class Blocks(NamedTuple):
   num_warps: int
   interpret: bool
   operands: str = "float32"  # "bfloat16" for bfloat16 inputs: products of features take it (see _dot)
+
+
+def pallas_block(size: int) -> bool:
+  """Whether the fused kernels take this block size (chunk, feature block): a power of two >= 16,
+  Triton's block shapes."""
+  return size >= 16 and not size & (size - 1)
 
 
 def _pow2(n: int, least: int = 16) -> int:
@@ -310,32 +316,34 @@ GPU_DEFAULTS = dict(chunk_size=64, num_warps=4, block_f=32)
 def blocks_for(chunk_size: int = GPU_DEFAULTS["chunk_size"], *, num_warps: int = GPU_DEFAULTS["num_warps"],
                block_f: int = GPU_DEFAULTS["block_f"], interpret: bool | None = None) -> Blocks:
   """Launch choices; ``interpret`` None: Pallas's interpreter unless the default backend is a GPU."""
-  if not causal_lib.pallas_block(chunk_size):
+  if not pallas_block(chunk_size):
     raise ValueError(f"causal_method='pallas' needs chunk_size a power of two >= 16, got {chunk_size}")
-  if not causal_lib.pallas_block(block_f):
+  if not pallas_block(block_f):
     raise ValueError(f"block_f must be a power of two >= 16, got {block_f}")
   if interpret is None:
     interpret = jax.default_backend() != "gpu"
   return Blocks(chunk_size, block_f, num_warps, bool(interpret))
 
 
-def causal(feature_fn, q, k, v, mask, *, chunk_size: int = 64, blocks: Blocks | None = None,
-           return_scale: bool = False, fallback: bool = True):
+def causal(features, q, k, v, mask, *, chunk_size: int = 64, blocks: Blocks | None = None,
+           return_scale: bool = False, fallback=None):
   """Causal linear attention through the fused kernels: (numerator [N, L, H, Dv], denominator [N, L, H]).
 
-  The contract of :func:`favor_jax.core.causal.chunked` (both times the same per-row factor e^{−scale};
+  The contract of :func:`favor_jax.core.causal_xla.chunked` (both times the same per-row factor e^{−scale};
   ``return_scale`` adds the scale [N, L, H], −∞ where a row sees no key). The feature map must give
-  pure exponentials, φ = exp(log) with a log per feature (:func:`causal.exponential_features`, read off the
-  features: e.g. positive, hyperbolic, FAVOR++, FAVOR#, Hedgehog, ELU+1); others (signed or polynomial
-  features) raise ``ValueError``: use ``"chunked"``.
-  ``fallback=False`` (tests only) returns the fused result even where rows lost their terms.
+  pure exponentials, φ = exp(log) with a log per feature (:func:`~favor_jax.core.features.exponential_features`,
+  read off the features: e.g. positive, hyperbolic, FAVOR++, FAVOR#, Hedgehog, ELU+1); others (signed or
+  polynomial features) raise ``ValueError``: use ``"chunked"``.
+  ``fallback``: the pass that redoes the call where rows lost their terms, called as
+  ``fallback(features, q, k, v, mask, chunk_size=C, return_scale=True)`` (:mod:`favor_jax.core.causal` gives
+  the XLA chunked pass); None or False (tests only): the fused result even where rows lost their terms.
   """
   blocks = blocks_for(chunk_size) if blocks is None else blocks
-  if not causal_lib.exponential_features(feature_fn, q, k):
+  if not exponential_features(features, q, k):
     raise ValueError("causal_method='pallas' needs features that are exponentials with a log per feature "
                      "(no multiplier); this kernel's are not: use causal_method='chunked'")
   n, length, h = q.shape[:3]
-  f = jax.eval_shape(lambda: shared.head_major(feature_fn, q, k)[0].log).shape[-1]
+  f = jax.eval_shape(lambda: head_major(features, q, k)[0].log).shape[-1]
   dv = v.shape[-1]
   padded, fp, ep = -(-length // blocks.chunk) * blocks.chunk, _pow2(f), _pow2(dv)
   bf = min(blocks.block_f, fp)
@@ -349,9 +357,9 @@ def causal(feature_fn, q, k, v, mask, *, chunk_size: int = 64, blocks: Blocks | 
     return jnp.pad(x, ((0, 0), (0, padded - length), (0, width - x.shape[-1])), constant_values=value)
 
   def log_rows(q, k):
-    fq, fk = shared.head_major(feature_fn, q, k)
-    log_q, _ = shared.parts(fq)
-    log_k, _ = shared.parts(fk, mask[:, None, :, None])
+    fq, fk = head_major(features, q, k)
+    log_q, _ = parts(fq)
+    log_k, _ = parts(fk, mask[:, None, :, None])
     return rows(log_q.astype(jnp.float32), NEG_INF, fp), rows(log_k.astype(jnp.float32), NEG_INF, fp)
 
   # The features' own parameters (projection, ρ, a learned map) as explicit arguments of the custom VJP.
@@ -370,11 +378,11 @@ def causal(feature_fn, q, k, v, mask, *, chunk_size: int = 64, blocks: Blocks | 
   if not fallback:
     return (num, den, scale) if return_scale else (num, den)
   out = jax.lax.cond(
-      jnp.any(lost), lambda: causal_lib.chunked(feature_fn, q, k, v, mask, chunk_size=blocks.chunk, return_scale=True),
+      jnp.any(lost), lambda: fallback(features, q, k, v, mask, chunk_size=blocks.chunk, return_scale=True),
       lambda: (num, den, scale))
   return out if return_scale else out[:2]
 
 
 def lost_rows(den, scale):
   """Rows that see a key but whose denominator (≥ their largest term) fell below e^{−SAFE_GAP}."""
-  return jnp.isfinite(scale) & (den < jnp.exp(-causal_lib.SAFE_GAP))
+  return jnp.isfinite(scale) & (den < jnp.exp(-SAFE_GAP))

@@ -28,7 +28,8 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array
 
-from favor_jax.core import shared
+from favor_jax.core import features as features_lib
+from favor_jax.core import state as state_lib
 
 NEG_INF = -jnp.inf
 
@@ -178,10 +179,10 @@ def decayed_max(a, m, axis: int):
 
 def combine(x, y):
   """The gated monoid on (a, μ, S), h ↦ h·e^a + S·e^μ: (a₁, μ₁, S₁) ⊕ (a₂, μ₂, S₂) = (a₁ + a₂, (μ₁ + a₂, S₁) ⊕ (μ₂, S₂))
-  with ⊕ the rescaled sum (``shared.rescaled_sum``); a [...], μ [..., Fm], S [..., F, E]."""
+  with ⊕ the rescaled sum (``state_lib.rescaled_sum``); a [...], μ [..., Fm], S [..., F, E]."""
   a1, m1, s1 = x
   a2, m2, s2 = y
-  return (a1 + a2,) + shared.rescaled_sum((m1 + a2[..., None], s1), (m2, s2))
+  return (a1 + a2,) + state_lib.rescaled_sum((m1 + a2[..., None], s1), (m2, s2))
 
 
 def segsum(g):
@@ -205,8 +206,8 @@ def to_end(g, axis: int = 1):
 
 
 def offset(f, off):
-  """LogFeatures ``f`` [..., F] with the log-scale ``off`` [...] added (``shared.parts``' normalised form)."""
-  log, mult = shared.parts(f)
+  """LogFeatures ``f`` [..., F] with the log-scale ``off`` [...] added (``state_lib.parts``' normalised form)."""
+  log, mult = state_lib.parts(f)
   return type(f)(log + off[..., None], mult)
 
 
@@ -225,24 +226,24 @@ def biased(logits, gates: Gates | None, causal: bool):
   return jnp.where((seg[:, :, None] == seg[:, None, :])[:, None], logits, NEG_INF)
 
 
-def key_state(feature_fn, k, v, mask, gate, key_offset=None, block: int | None = None):
+def key_state(features: features_lib.Features, k, v, mask, gate, key_offset=None, block: int | None = None):
   """(a, state): the total log gate a [N, H] of the positions and the state of all keys k [N, L, H, D] decayed
-  to the last one (``shared.key_state`` with gates ``gate`` [N, L, H]; ``key_offset`` [N, L, H]: a decay each
-  key carries in, as in ``causal.chunked``), folded a block at a time."""
-  block = shared.BLOCK if block is None else block
+  to the last one (``state_lib.key_state`` with gates ``gate`` [N, L, H]; ``key_offset`` [N, L, H]: a decay each
+  key carries in, as in ``causal_xla.chunked``), folded a block at a time."""
+  block = state_lib.BLOCK if block is None else block
 
   def step(carry, start, size):
     a, state = carry
-    g = shared.cut(gate, start, size)
-    fk = shared.head_major(feature_fn, k[:, :0], shared.cut(k, start, size))[1]
-    carried = to_end(g) if key_offset is None else to_end(g) + shared.cut(key_offset, start, size)
+    g = state_lib.cut(gate, start, size)
+    fk = features_lib.head_major(features, k[:, :0], state_lib.cut(k, start, size))[1]
+    carried = to_end(g) if key_offset is None else to_end(g) + state_lib.cut(key_offset, start, size)
     fk = offset(fk, jnp.swapaxes(carried, 1, 2))
     total = jnp.sum(g, axis=1)  # [N, H]
     decayed = state._replace(mu=jax.lax.stop_gradient(state.mu) + total[..., None])
-    return a + total, shared.add_keys(decayed, fk, shared.cut(v, start, size), shared.cut(mask, start, size))
+    return a + total, state_lib.add_keys(decayed, fk, state_lib.cut(v, start, size), state_lib.cut(mask, start, size))
 
-  init = (jnp.zeros(k.shape[:1] + k.shape[2:3], jnp.float32), shared.initial_state(feature_fn, k, k, v))
-  return shared.fold(step, init, k.shape[1], block)
+  init = (jnp.zeros(k.shape[:1] + k.shape[2:3], jnp.float32), state_lib.initial_state(features, k, k, v))
+  return state_lib.fold(step, init, k.shape[1], block)
 
 
 def exclusive_prefix(a, state, axis_name):
@@ -255,5 +256,5 @@ def exclusive_prefix(a, state, axis_name):
   earlier = earlier_P.reshape((-1,) + (1,) * (mu_P.ndim - 1))
   mu_P = jnp.where(earlier, jax.lax.stop_gradient(mu_P) + between_P[..., None], NEG_INF)
   mu = jax.lax.stop_gradient(jnp.max(mu_P, axis=0))
-  weight_P = jnp.exp(mu_P - shared.finite_or_zero(mu))  # 0 for this and later devices
-  return shared.RecurrentState(mu, jnp.sum(s_P * weight_P[..., None], axis=0))
+  weight_P = jnp.exp(mu_P - state_lib.finite_or_zero(mu))  # 0 for this and later devices
+  return state_lib.RecurrentState(mu, jnp.sum(s_P * weight_P[..., None], axis=0))

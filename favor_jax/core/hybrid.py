@@ -24,9 +24,10 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array
 
-from favor_jax.core import causal as causal_lib
+from favor_jax.core import causal_xla, inputs
 from favor_jax.core import gates as gates_lib
-from favor_jax.core import shared
+from favor_jax.core import state as state_lib
+from favor_jax.core.features import head_major
 
 LOCAL_BLOCK = 32  # the smallest query block of the exact part (larger windows use blocks of `window`)
 
@@ -37,7 +38,7 @@ class HybridState(NamedTuple):
   values: Array  # [N, W, H, Dv]
   valid: Array  # bool [N, W]: the slot holds an unmasked key
   position: Array  # int32 []: tokens seen so far
-  recurrent: shared.RecurrentState  # the keys that left the window
+  recurrent: state_lib.RecurrentState  # the keys that left the window
   decay: Array  # [N, W, H]: Σ of the log gates since each slot's key came (0 without gates; −∞ after a reset)
   segment: Array  # int32 [N]: the last segment id (see favor_decode_step)
 
@@ -45,7 +46,7 @@ class HybridState(NamedTuple):
 def merge(*terms):
   """Sums (num [..., Dv], den [...], log-scale [...]) terms, each the sum times e^{−scale}, on their
   common largest scale; returns (num, den) on that scale. A −∞ scale is an empty term."""
-  top = shared.finite_or_zero(jax.lax.stop_gradient(jnp.max(jnp.stack([s for _, _, s in terms]), axis=0)))
+  top = state_lib.finite_or_zero(jax.lax.stop_gradient(jnp.max(jnp.stack([s for _, _, s in terms]), axis=0)))
   weights = [jnp.exp(jax.lax.stop_gradient(s) - top) for _, _, s in terms]  # 0 for an empty term
   num = sum(n * w[..., None] for (n, _, _), w in zip(terms, weights))
   den = sum(d * w for (_, d, _), w in zip(terms, weights))
@@ -56,7 +57,7 @@ def _exact(logits, allowed, v, spec):
   """Softmax terms of logits where allowed: (num, den, log-scale) with the row's max as scale."""
   logits = jnp.where(allowed, logits, -jnp.inf)
   peak = jax.lax.stop_gradient(jnp.max(logits, axis=-1))
-  weights = jnp.exp(logits - shared.finite_or_zero(peak)[..., None])
+  weights = jnp.exp(logits - state_lib.finite_or_zero(peak)[..., None])
   return jnp.einsum(spec, weights, v), jnp.sum(weights, axis=-1), peak
 
 
@@ -70,7 +71,7 @@ def local(q, k, v, mask, window: int, causal: bool, gate=None, segment=None):
   n, length, h, d = q.shape
   c = min(max(window, LOCAL_BLOCK), length)
   nb = -(-length // c)
-  blocks = lambda x, fill=0: shared.pad_to(x, nb * c, fill).reshape((n, nb, c) + x.shape[2:])
+  blocks = lambda x, fill=0: inputs.pad_to(x, nb * c, fill).reshape((n, nb, c) + x.shape[2:])
   q_NbCHD, k_NbCHD, v_NbCHE, m_NbC = blocks(q), blocks(k), blocks(v), blocks(mask, False)
 
   def context(x, fill):  # the key blocks a query block may reach: previous, own (and next)
@@ -105,7 +106,7 @@ def _delayed(x, window, fill=0):
   return jnp.concatenate([head, x[:, :max(length - window, 0)]], axis=1)
 
 
-def side(feature_fn, q, k, v, mask, delay: int, chunk_size: int, gate=None):
+def side(features, q, k, v, mask, delay: int, chunk_size: int, gate=None):
   """Keys j ≤ t − ``delay`` by the chunked pass over the keys delayed by ``delay``: (num, den, log-scale).
 
   ``gate`` [N, L, H]: pair (t, j) decays by Σ_{j<l≤t} g_l: the slots keep the gates, and the key in slot u
@@ -117,7 +118,7 @@ def side(feature_fn, q, k, v, mask, delay: int, chunk_size: int, gate=None):
     carried = jax.lax.reduce_window(gate, 0.0, jax.lax.add, (1, delay, 1), (1, 1, 1),
                                     [(0, 0), (delay - 1, 0), (0, 0)]) if delay else None
     extra = dict(gate=gate, key_offset=carried)
-  return causal_lib.chunked(feature_fn, q, shift(k), shift(v), shift(mask, False), chunk_size=chunk_size,
+  return causal_xla.chunked(features, q, shift(k), shift(v), shift(mask, False), chunk_size=chunk_size,
                             return_scale=True, **extra)
 
 
@@ -128,39 +129,39 @@ def reverse_gate(start):
   return jnp.flip(jnp.where(ends, -jnp.inf, 0.0), axis=1)[..., None]
 
 
-def distant(feature_fn, q, k, v, mask, window: int, causal: bool, chunk_size: int, gate=None, start=None):
+def distant(features, q, k, v, mask, window: int, causal: bool, chunk_size: int, gate=None, start=None):
   """The kernel part: keys with j ≤ t − w (and j ≥ t + w unless causal); (num, den, log-scale). ``gate``
   [N, L, H] (causal) or ``start`` [N, L] (segment starts, not causal) as in :func:`side`."""
   if not causal and start is not None:
     gate = jnp.broadcast_to(jnp.where(start, -jnp.inf, 0.0)[..., None], q.shape[:3])
-  terms = [side(feature_fn, q, k, v, mask, window, chunk_size, gate)]
+  terms = [side(features, q, k, v, mask, window, chunk_size, gate)]
   if not causal:
     rev = lambda x: None if x is None else jnp.flip(x, axis=1)
     back = None if start is None else jnp.broadcast_to(reverse_gate(start), q.shape[:3])
-    terms.append(tuple(map(rev, side(feature_fn, *map(rev, (q, k, v, mask)), window, chunk_size, back))))
+    terms.append(tuple(map(rev, side(features, *map(rev, (q, k, v, mask)), window, chunk_size, back))))
   return merge(*terms) + (jnp.max(jnp.stack([s for _, _, s in terms]), axis=0),)
 
 
-def hybrid(feature_fn, q, k, v, mask, window: int, causal: bool, chunk_size: int, gates=None):
+def hybrid(features, q, k, v, mask, window: int, causal: bool, chunk_size: int, gates=None):
   """(num, den) of hybrid attention on one common per-row scale (inputs as in ``local``; ``gates`` a
   ``gates.Gates``)."""
   gate = None if gates is None else gates.log
   start = None if gates is None or causal else gates.start
   segment = None if start is None else gates_lib.segment_index(start)
   return merge(local(q, k, v, mask, window, causal, gate, segment),
-               distant(feature_fn, q, k, v, mask, window, causal, chunk_size, gate, start))
+               distant(features, q, k, v, mask, window, causal, chunk_size, gate, start))
 
 
-def initial_state(feature_fn, q, v, window: int) -> HybridState:
+def initial_state(features, q, v, window: int) -> HybridState:
   n, _, h, d = q.shape
   return HybridState(jnp.zeros((n, window, h, d), jnp.float32),
                      jnp.zeros((n, window, h, v.shape[-1]), jnp.float32),
                      jnp.zeros((n, window), bool), jnp.zeros((), jnp.int32),
-                     shared.initial_state(feature_fn, q, q, v), jnp.zeros((n, window, h), jnp.float32),
+                     state_lib.initial_state(features, q, q, v), jnp.zeros((n, window, h), jnp.float32),
                      jnp.zeros((n,), jnp.int32))
 
 
-def step(feature_fn, state: HybridState, q, k, v, mask, gate=None):
+def step(features, state: HybridState, q, k, v, mask, gate=None):
   """Tokens one at a time: the key leaving the window joins the features, the new one the buffer.
 
   q, k [N, l, H, D], v [N, l, H, Dv] (finite), mask [N, l], ``gate`` [N, l, H] log forget gates (None: 0):
@@ -176,17 +177,17 @@ def step(feature_fn, state: HybridState, q, k, v, mask, gate=None):
     slot = state.position % window
     old = lambda a: jax.lax.dynamic_index_in_dim(a, slot, axis=1, keepdims=True)
     decay = state.decay + g_t[:, None]
-    fk_old = shared.head_major(feature_fn, old(state.keys)[:, :0], old(state.keys))[1]
+    fk_old = head_major(features, old(state.keys)[:, :0], old(state.keys))[1]
     fk_old = gates_lib.offset(fk_old, jnp.swapaxes(old(decay), 1, 2))  # [N, H, 1]
     past = state.recurrent._replace(mu=jax.lax.stop_gradient(state.recurrent.mu) + g_t[..., None])
-    recurrent = shared.add_keys(past, fk_old, old(state.values), old(state.valid))
+    recurrent = state_lib.add_keys(past, fk_old, old(state.values), old(state.valid))
     put = lambda a, x: jax.lax.dynamic_update_index_in_dim(a, x.astype(a.dtype), slot, axis=1)
     state = HybridState(put(state.keys, k_t), put(state.values, v_t), put(state.valid, m_t),
                         state.position + 1, recurrent, put(decay, jnp.zeros_like(g_t)), state.segment)
     logits = jnp.einsum("nhd,nwhd->nhw", q_t, state.keys) / math.sqrt(d) + jnp.swapaxes(state.decay, 1, 2)
     exact = _exact(logits, state.valid[:, None, :], state.values, "nhw,nwhe->nhe")
-    fq = shared.head_major(feature_fn, q_t[:, None], k_t[:, None])[0]
-    y, scale = shared.read_out(fq, recurrent, with_scale=True)
+    fq = head_major(features, q_t[:, None], k_t[:, None])[0]
+    y, scale = state_lib.read_out(fq, recurrent, with_scale=True)
     num, den = merge(exact, (y[..., 0, :-1], y[..., 0, -1], scale[..., 0]))
     return state, (num, den)
 
@@ -195,11 +196,11 @@ def step(feature_fn, state: HybridState, q, k, v, mask, gate=None):
   return state, jnp.moveaxis(num, 0, 1), jnp.moveaxis(den, 0, 1)
 
 
-def segmented(feature_fn, q, k, v, mask, start, chunk_size: int):
+def segmented(features, q, k, v, mask, start, chunk_size: int):
   """Bidirectional attention within segments (start [N, L]): keys j ≤ t by the causal pass with a reset at
   each segment start, keys j > t by the reversed one with a reset after each segment's end; (num, den)."""
   forward = jnp.broadcast_to(jnp.where(start, -jnp.inf, 0.0)[..., None], q.shape[:3])
   rev = lambda x: jnp.flip(x, axis=1)
   back = jnp.broadcast_to(reverse_gate(start), q.shape[:3])
-  return merge(side(feature_fn, q, k, v, mask, 0, chunk_size, forward),
-               tuple(map(rev, side(feature_fn, *map(rev, (q, k, v, mask)), 1, chunk_size, back))))
+  return merge(side(features, q, k, v, mask, 0, chunk_size, forward),
+               tuple(map(rev, side(features, *map(rev, (q, k, v, mask)), 1, chunk_size, back))))

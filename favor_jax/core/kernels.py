@@ -15,11 +15,12 @@ by their largest feature: factors that cancel in normalised attention.
 
 Every kernel also exposes ``kernel.log_features``, which keeps the exponential
 part in log domain so that :func:`favor_attention` can choose a stabiliser that
-never looks at future keys (see ``causal.py``). A new kernel is its
+never looks at future keys (see ``causal_xla.py``). A new kernel is its
 ``_log_features`` function and its record below, added to ``KERNELS`` (and
 ``__all__``): every attention function, causal method, layer and experiment reads
 its facts from the record, and passes its statistic under the record's
-``statistic`` keyword. The fused Pallas path takes kernels whose features are pure
+``statistic`` keyword (the statistics' formulas and checks live in
+:mod:`favor_jax.core.statistics`). The fused Pallas path takes kernels whose features are pure
 exponentials (a log per feature, no multiplier), read off the features themselves.
 """
 
@@ -33,9 +34,10 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Bool, Float
+from jaxtyping import Array, Float
 
 from favor_jax.core import checks
+from favor_jax.core.statistics import broadcast_rho, check_rho, oprf_rho, saderf_parts, saderf_statistic, scaled
 
 __all__ = [
     "positive", "hyperbolic", "trigonometric", "optimal_positive", "relu", "elu_plus_one",
@@ -48,11 +50,6 @@ class LogFeatures(NamedTuple):
   """φ = mult · exp(log). ``log``: [..., L, H, F] or [..., L, H, 1] (None: 0); ``mult``: [..., L, H, F] (None: 1)."""
   log: Array | None
   mult: Array | None
-
-
-def _scaled(x):
-  """x·d^{-1/4} in float32, so that exp(xᵀy) is the softmax kernel exp(q·k/√d)."""
-  return x.astype(jnp.float32) * x.shape[-1] ** -0.25
 
 
 def _project(x_LHD, projection):
@@ -103,6 +100,10 @@ class Kernel:
   # and non-finite rows are left out of it (padding must not shape the real rows).
   statistic: str | None = None
   compute_statistic: Callable | None = None
+  # The pairwise value in closed form, for a kernel whose features are signed and whose sum over features
+  # cancels (terms far larger than the sum): (query, key, projection) -> log φ(q_i)ᵀφ(k_j) [..., H, Lq, Lk],
+  # which ``attention_weights`` takes instead of the sum (None: the sum, in log domain).
+  log_pairs: Callable | None = None
 
   @property
   def data_dependent(self) -> bool:
@@ -139,7 +140,7 @@ def causal_statistic_error(kernel: Kernel, query) -> ValueError:
 def _checked(query, key, projection):
   checks.check_qk(query, key)
   checks.check_projection(projection, query.shape[-1], query.shape[-2])
-  return _scaled(query), _scaled(key)
+  return scaled(query), scaled(key)
 
 
 def _positive(query: Float[Array, "... Lq H D"], key: Float[Array, "... Lk H D"],
@@ -188,75 +189,6 @@ def _trigonometric(query: Float[Array, "... Lq H D"], key: Float[Array, "... Lk 
   return feats(x), feats(y)
 
 
-def _query_rows(x_LHD, query_mask):
-  """(x with the queries left out zeroed, the count kept per head [..., H]): a mean over queries is a sum
-  divided by it. Left out: those of ``query_mask`` False (padding), and those non-finite in a head (a NaN
-  query is NaN in its own row only, never in the statistic of the others)."""
-  keep = jnp.all(jnp.isfinite(x_LHD), axis=-1)
-  if query_mask is not None:
-    keep = keep & jnp.broadcast_to(query_mask, x_LHD.shape[:-2])[..., None]
-  count = jnp.maximum(jnp.sum(keep.astype(jnp.float32), axis=-2), 1.0)
-  return jnp.where(keep[..., None], x_LHD, 0.0), count
-
-
-def _key_weights(y_LHD, key_mask):
-  """(y with masked and non-finite keys zeroed, per key 1/(unmasked keys) or 0 if masked: [..., Lk]): a mean
-  over keys is a contraction with the weights. A non-finite unmasked key is seen by every row (NaN there)."""
-  w = jnp.ones(y_LHD.shape[:-2], jnp.float32)
-  if key_mask is not None:
-    w = jnp.broadcast_to(key_mask, y_LHD.shape[:-2]).astype(jnp.float32)
-  keep = (w > 0)[..., None, None] & jnp.isfinite(y_LHD)
-  return jnp.where(keep, y_LHD, 0.0), w / jnp.maximum(jnp.sum(w, axis=-1, keepdims=True), 1.0)
-
-
-def oprf_rho(query: Float[Array, "... Lq H D"], key: Float[Array, "... Lk H D"],
-             key_mask: Bool[Array, "... Lk"] | None = None,
-             query_mask: Bool[Array, "... Lq"] | None = None) -> Float[Array, "... H"]:
-  """FAVOR++ statistic ρ = mean_{i,j} ‖xᵢ + yⱼ‖² / d, per batch element and head.
-
-  x = q·d^{-1/4}, y = k·d^{-1/4}; masked keys, masked queries (``query_mask``:
-  padding) and non-finite rows are left out. The mean over all pairs is
-  ‖x‖²‾ + ‖y‖²‾ + 2·x̄ᵀȳ, so it costs O(L·d).
-  """
-  x, count_H, y, w_L = _statistic_inputs(query, key, key_mask, query_mask)
-  x_sq = jnp.sum(jnp.sum(x * x, -1), axis=-2) / count_H  # [..., H]
-  x_bar = jnp.sum(x, axis=-3) / count_H[..., None]  # [..., H, D]
-  y_sq = jnp.einsum("...l,...lh->...h", w_L, jnp.sum(y * y, -1))
-  y_bar = jnp.einsum("...l,...lhd->...hd", w_L, y)
-  return jnp.maximum(x_sq + y_sq + 2 * jnp.sum(x_bar * y_bar, -1), 0.0) / x.shape[-1]  # ≥ 0 but for rounding
-
-
-def _statistic_inputs(query, key, key_mask, query_mask):
-  """x = q·d^{-1/4} with its count of kept queries (``_query_rows``), y = k·d^{-1/4} with its keys'
-  weights (``_key_weights``); inputs checked."""
-  checks.check_qk(query, key)
-  checks.check_lengths(query, key)
-  checks.check_key_mask(key_mask, key.shape)
-  checks.check_key_mask(query_mask, query.shape, "query_mask")
-  return (*_query_rows(_scaled(query), query_mask), *_key_weights(_scaled(key), key_mask))
-
-
-def broadcast_rho(rho, query) -> Float[Array, "... H"]:
-  """ρ as float32 broadcast to query's [..., H] (batch dims and heads), or a clear error."""
-  batch_heads = query.shape[:-3] + query.shape[-2:-1]
-  rho = jnp.asarray(rho, jnp.float32)
-  try:
-    return jnp.broadcast_to(rho, batch_heads)
-  except ValueError:
-    raise ValueError(f"rho must broadcast to [..., H] = {batch_heads}, got shape {rho.shape}") from None
-
-
-def check_rho(rho, query) -> Float[Array, "... H"]:
-  """ρ broadcast to [..., H]; a concrete ρ must be finite and ≥ 0 (it is a mean of ‖x + y‖²/d)."""
-  if not isinstance(rho, jax.core.Tracer):
-    values = np.asarray(rho, np.float32)
-    bad = ~(np.isfinite(values) & (values >= 0))
-    if bad.any():
-      raise ValueError(f"rho must be finite and >= 0 (a mean of squared norms), got {values[bad][:4]} "
-                       f"among its {values.size} values")
-  return broadcast_rho(rho, query)
-
-
 def _optimal_positive(query: Float[Array, "... Lq H D"], key: Float[Array, "... Lk H D"],
                       projection: Float[Array, "M D"] | Float[Array, "H M D"], *, rho=None, key_mask=None,
                       causal: bool = False):
@@ -280,7 +212,8 @@ def _optimal_positive(query: Float[Array, "... Lq H D"], key: Float[Array, "... 
     rho = oprf_rho(query, key, key_mask)
   rho = jax.lax.stop_gradient(check_rho(rho, query))
   d = x.shape[-1]
-  a = (1.0 - 2.0 * rho - jnp.sqrt(jnp.square(2.0 * rho + 1.0) + 8.0 * rho)) / 16.0
+  r = 2.0 * rho + 1.0  # √((2ρ+1)² + 8ρ) as r·√(1 + 8ρ/r²): finite for any finite ρ (A ≈ −ρ/4 for large ρ)
+  a = (1.0 - 2.0 * rho - r * jnp.sqrt(1.0 + 8.0 * rho / jnp.square(r))) / 16.0
   a = jnp.where(rho >= 0, a, jnp.nan)  # a traced invalid ρ (NaN, < 0) gives NaN outputs, never zeros
   a_1H1 = a[..., None, :, None]
   b_1H1 = jnp.sqrt(1.0 - 4.0 * a_1H1)
@@ -341,15 +274,33 @@ def _taylor(query: Float[Array, "... Lq H D"], key: Float[Array, "... Lk H D"],
     checks.check_projection(projection, query.shape[-1], query.shape[-2])
 
   def feats(z):
-    z = _scaled(z)
-    if projection is not None:
-      z = _project(z, projection)
+    z = _taylor_inputs(z, projection)
     i, j = np.triu_indices(z.shape[-1])
     weight = np.where(i == j, math.sqrt(0.5), 1.0).astype(np.float32)
     ones = jnp.ones(z.shape[:-1] + (1,), jnp.float32)
     return LogFeatures(None, jnp.concatenate([ones, z, z[..., i] * z[..., j] * weight], axis=-1))
 
   return feats(query), feats(key)
+
+
+def _taylor_inputs(z, projection):
+  """x = z·d^{-1/4}, mapped to P x by a ``projection`` P if one is given."""
+  z = scaled(z)
+  return z if projection is None else _project(z, projection)
+
+
+def _taylor_log_pairs(query: Float[Array, "... Lq H D"], key: Float[Array, "... Lk H D"],
+                      projection: Float[Array, "M D"] | Float[Array, "H M D"] | None = None):
+  """log φ(qᵢ)ᵀφ(kⱼ) = log(1 + t + t²/2) = log(((1 + t)² + 1)/2), t = xᵢᵀyⱼ, in closed form [..., H, Lq, Lk].
+
+  The sum over features has terms up to t²/2 for a value ≥ 1/2 (at t = −1): in float32 it loses
+  the small weights (3e-3 relative at inputs ×20). Here the error is that of t alone. u = 1 + t is
+  scaled by max(|u|, 1) so that no finite t overflows.
+  """
+  x, y = _taylor_inputs(query, projection), _taylor_inputs(key, projection)
+  u = 1.0 + jnp.einsum("...qhd,...khd->...hqk", x, y)
+  big = jnp.maximum(jnp.abs(u), 1.0)
+  return 2.0 * jnp.log(big) + jnp.log(0.5 * (jnp.square(u / big) + jnp.square(1.0 / big)))
 
 
 def _taylor_features(m, d):
@@ -389,61 +340,9 @@ optimal_positive = Kernel("optimal_positive", _optimal_positive, lambda m, d: m,
 relu = Kernel("relu", _relu, lambda m, d: m, estimates_softmax=False, positive_weights=False)
 elu_plus_one = Kernel("elu_plus_one", _elu_plus_one, lambda m, d: d, estimates_softmax=False,
                       needs_projection=False, takes_projection=False)
-taylor = Kernel("taylor", _taylor, _taylor_features, estimates_softmax=False, needs_projection=False)
+taylor = Kernel("taylor", _taylor, _taylor_features, estimates_softmax=False, needs_projection=False,
+                log_pairs=_taylor_log_pairs)
 hedgehog = Kernel("hedgehog", _hedgehog, lambda m, d: 2 * m, estimates_softmax=False, learned=True)
-
-
-def saderf_statistic(query: Float[Array, "... Lq H D"], key: Float[Array, "... Lk H D"],
-                     key_mask: Bool[Array, "... Lk"] | None = None,
-                     query_mask: Bool[Array, "... Lq"] | None = None) -> Float[Array, "... H D+1"]:
-  """FAVOR#'s statistic per batch element and head: [log Ψ₁, …, log Ψ_D, ρ], O(L·d).
-
-  Ψ = diag(Ψ_l) minimises the mean over all (query, key) pairs of ‖Ψx + Ψ⁻¹y‖²
-  = Σ_l (Ψ_l² m_l^x + Ψ_l⁻² m_l^y) + 2·x̄ᵀȳ, with m^x = mean_i x_i², m^y = mean_j y_j²
-  per coordinate: Ψ_l = (m_l^y / m_l^x)^{1/4}. ρ is that mean over pairs / d, the
-  FAVOR++ statistic (:func:`oprf_rho`) of the rescaled pairs. x = q·d^{-1/4},
-  y = k·d^{-1/4}; masked keys, masked queries (``query_mask``: padding) and
-  non-finite rows are left out. A coordinate that is (nearly) zero in all
-  queries or all keys gets a bounded Ψ_l (every Ψ > 0 is unbiased).
-  """
-  x, count_H, y, w_L = _statistic_inputs(query, key, key_mask, query_mask)
-  mx, x_bar = (jnp.sum(z, axis=-3) / count_H[..., None] for z in (x * x, x))  # [..., H, D]
-  my, y_bar = jnp.einsum("...l,...lhd->...hd", w_L, y * y), jnp.einsum("...l,...lhd->...hd", w_L, y)
-  floor = 1e-8 * jnp.mean(mx + my, axis=-1, keepdims=True) + 1e-30
-  log_psi = 0.25 * (jnp.log(my + floor) - jnp.log(mx + floor))
-  psi_sq = jnp.exp(2.0 * log_psi)
-  pairs = jnp.sum(psi_sq * mx + my / psi_sq + 2.0 * x_bar * y_bar, axis=-1)
-  rho = jnp.maximum(pairs, 0.0) / x.shape[-1]  # ≥ 0 but for rounding
-  return jnp.concatenate([log_psi, rho[..., None]], axis=-1)
-
-
-def _saderf_parts(statistic, query):
-  """(log Ψ [..., H, D], ρ [..., H]) from a statistic broadcastable to [..., H, D+1], or a clear error.
-
-  A concrete statistic must have finite log Ψ and a finite ρ ≥ 0; a traced invalid one gives NaN.
-  """
-  d = query.shape[-1]
-  want = query.shape[:-3] + query.shape[-2:-1] + (d + 1,)
-  shape = jnp.shape(statistic)
-  try:
-    fits = jnp.broadcast_shapes(shape, want) == want
-  except ValueError:
-    fits = False
-  if not fits:
-    raise ValueError(f"rho (saderf's statistic: log Ψ for each of the D={d} coordinates, then ρ) must "
-                     f"broadcast to [..., H, D+1] = {want}, got shape {shape}; see kernels.saderf_statistic")
-  if not isinstance(statistic, jax.core.Tracer):
-    values = np.broadcast_to(np.asarray(statistic, np.float32), want)
-    bad_psi, rho = ~np.isfinite(values[..., :d]), values[..., d]
-    bad_rho = ~(np.isfinite(rho) & (rho >= 0))
-    if bad_psi.any() or bad_rho.any():
-      raise ValueError(f"rho (saderf's statistic [..., H, D+1]) needs finite log Ψ (its first {d} entries) "
-                       f"and a finite ρ >= 0 (its last entry); got {int(bad_psi.sum())} non-finite log Ψ "
-                       f"and ρ values {rho[bad_rho][:4]}")
-  statistic = jnp.broadcast_to(jnp.asarray(statistic, jnp.float32), want)
-  log_psi, rho = statistic[..., :d], statistic[..., d]
-  ok = jnp.all(jnp.isfinite(log_psi), axis=-1) & jnp.isfinite(rho) & (rho >= 0)
-  return jnp.where(jnp.isfinite(log_psi), log_psi, 0.0), jnp.where(ok, rho, jnp.nan)
 
 
 def _saderf(query: Float[Array, "... Lq H D"], key: Float[Array, "... Lk H D"],
@@ -468,7 +367,7 @@ def _saderf(query: Float[Array, "... Lq H D"], key: Float[Array, "... Lk H D"],
     if causal:
       raise causal_statistic_error(saderf, query)
     rho = saderf_statistic(query, key, key_mask)
-  log_psi, rho = _saderf_parts(rho, query)
+  log_psi, rho = saderf_parts(rho, query)
   psi = jnp.exp(jax.lax.stop_gradient(log_psi))[..., None, :, :]
   return _optimal_positive(query.astype(jnp.float32) * psi, key.astype(jnp.float32) / psi, projection,
                            rho=rho)

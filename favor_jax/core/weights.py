@@ -13,8 +13,11 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
-from favor_jax.core import attention, checks, shared
+from favor_jax.core import checks, inputs
+from favor_jax.core import features as features_lib
 from favor_jax.core import gates as gates_lib
+from favor_jax.core import kernels as kernels_lib
+from favor_jax.core import state as state_lib
 
 __all__ = ["attention_weights"]
 
@@ -23,8 +26,8 @@ QUERY_BLOCK = 32  # query rows per step of the kernel log-weights ([block, Lk, F
 
 def _kernel_log_weights(fq, fk):
   """log |φ(q_i)ᵀφ(k_j)| and its sign, [N, H, Lq, Lk], exact for any feature sizes (no underflow)."""
-  log_q, mult_q = shared.parts(fq)  # L-major [N, L, H, Fm], [N, L, H, F] (mult may be None)
-  log_k, mult_k = shared.parts(fk)
+  log_q, mult_q = state_lib.parts(fq)  # L-major [N, L, H, Fm], [N, L, H, F] (mult may be None)
+  log_k, mult_k = state_lib.parts(fk)
   head_major = lambda x: None if x is None else jnp.moveaxis(x, 1, 2)  # [N, H, L, F]
   log_q, mult_q, log_k, mult_k = map(head_major, (log_q, mult_q, log_k, mult_k))
 
@@ -77,7 +80,7 @@ def attention_weights(
   is 0); for weights that are never negative (a kernel whose record says
   ``positive_weights``; a row with a negative weight is NaN). ``log_gate`` and ``segment_ids``: every weight
   (exact or the kernel's) gets the bias of :func:`softmax_attention` (Σ_{j<l≤t} log f_l; −∞ across
-  segments).
+  segments); a bad log gate counts as a non-finite key.
 
   Raises:
     ValueError, TypeError: a bad argument (named).
@@ -94,31 +97,42 @@ def attention_weights(
         "a window (positions t − j)" if window else "segment_ids (positions)"))
   gates = gates_lib.prepare(log_gate, segment_ids, query, causal)
   batch = query.shape[:-3]
-  mask = shared.mask_NL(key_mask, key)
-  q, k = (shared.flatten(x, batch).astype(jnp.float32) for x in (query, key))
-  k = jnp.where(mask[:, :, None, None], k, 0.0)  # masked keys are ignored whatever they hold (NaN included)
+  mask = inputs.mask_NL(key_mask, key)
+  q, k = (inputs.flatten(x, batch).astype(jnp.float32) for x in (query, key))
+  # The rule of every attention function: non-finite inputs (and, for a kernel, rows beyond its range) out,
+  # masked keys zeroed whatever they hold, NaN in the rows that depend on one (bad [N, Lq, H]); the weights
+  # have no value, so an empty one.
+  softmax = isinstance(kernel, str) and kernel == "softmax"
+  q, k, _, bad, _ = inputs.split_nonfinite(q, k, jnp.zeros(k.shape[:-1] + (0,), k.dtype), mask, causal=causal,
+                                           in_range=not softmax, gates=gates)
   lq, lk = q.shape[1], k.shape[1]
   gap = jnp.arange(lq)[:, None] - jnp.arange(lk)[None, :]
   allowed = mask[:, None, None, :] & ((gap >= 0) if causal else True)  # [N, 1, Lq, Lk]
   exact = jnp.einsum("nqhd,nkhd->nhqk", q, k) / math.sqrt(query.shape[-1])
-  if isinstance(kernel, str) and kernel == "softmax":
+  if softmax:
     if rho is not None or projection is not None:
       raise ValueError("kernel='softmax' takes no projection and no rho")
     log_w, sign = exact, jnp.ones_like(exact)
   else:
-    feature_fn = attention._feature_fn(kernel, projection, rho, query, key, key_mask, causal, blocked=True,
-                                       query_mask=query_mask)
-    log_w, sign = _kernel_log_weights(*feature_fn(q, k))
+    features = features_lib.for_call(kernel, projection, rho, query, key, key_mask, causal, blocked=True,
+                                     query_mask=query_mask)
+    log_pairs = getattr(kernels_lib.get_kernel(kernel), "log_pairs", None)  # a closed form, where the sum cancels
+    if log_pairs is not None:
+      log_w = log_pairs(q, k, projection)
+      sign = jnp.ones_like(log_w)
+    else:
+      log_w, sign = _kernel_log_weights(*features.fn(q, k))
     if window:
       near = (jnp.abs(gap) < window) & ((gap >= 0) if causal else True)
       log_w, sign = jnp.where(near, exact, log_w), jnp.where(near, 1.0, sign)
   log_w = jnp.where(allowed, gates_lib.biased(log_w, gates, causal), -jnp.inf)
   if log:
     total = jax.nn.logsumexp(log_w, axis=-1, keepdims=True)
-    out = jnp.where(jnp.isfinite(total), log_w - shared.finite_or_zero(total), -jnp.inf)
+    out = jnp.where(jnp.isfinite(total), log_w - state_lib.finite_or_zero(total), -jnp.inf)
     out = jnp.where(jnp.any(allowed & (sign < 0), axis=-1, keepdims=True), jnp.nan, out)
-    return out.reshape(batch + out.shape[1:])
-  peak = jax.lax.stop_gradient(jnp.max(log_w, axis=-1, keepdims=True))
-  w = sign * jnp.exp(log_w - shared.finite_or_zero(peak))
-  out = shared.divide(w, jnp.sum(w, axis=-1))
+  else:
+    peak = jax.lax.stop_gradient(jnp.max(log_w, axis=-1, keepdims=True))
+    w = sign * jnp.exp(log_w - state_lib.finite_or_zero(peak))
+    out = state_lib.divide(w, jnp.sum(w, axis=-1))
+  out = inputs.poison(out, jnp.swapaxes(bad, 1, 2))  # rows [N, H, Lq]
   return out.reshape(batch + out.shape[1:])

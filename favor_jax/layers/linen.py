@@ -20,6 +20,7 @@ Variables besides ``params``:
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Mapping
 
@@ -30,7 +31,11 @@ from flax.core import FrozenDict
 from jax import Array
 from jax.sharding import Mesh
 
-from favor_jax import core, layers
+from favor_jax import core
+from favor_jax.layers import inputs, statistic
+from favor_jax.layers.attend import attend
+from favor_jax.layers.projection import layer_projection, redraw_projection
+from favor_jax.layers.settings import PROJECTIONS, FavorSettings
 
 __all__ = ["FavorAttention", "redraw"]
 
@@ -62,7 +67,7 @@ def redraw(variables, key, due=True):
       layer_key = jax.random.fold_in(key, counter[0])
       counter[0] += 1
       stacked = jnp.shape(kind)  # nn.scan stacks a layer's variables: one independent draw per stacked layer
-      draw = layers.redraw_projection
+      draw = redraw_projection
       for _ in stacked:
         draw = jax.vmap(draw)
       if stacked:
@@ -123,28 +128,29 @@ class FavorAttention(nn.MultiHeadDotProductAttention):
   sequence_axis: str | None = None
   batch_axis: str | None = None
 
-  def _check_config(self):
+  @functools.cached_property
+  def settings(self) -> FavorSettings:
+    """The layer's settings, checked once per module instance (its first call; Flax clones the module for
+    each ``init``/``apply``, a new instance), never per call."""
     if self.attention_fn is not nn.dot_product_attention:
       raise ValueError("FavorAttention computes its own attention; do not pass attention_fn")
     if self.qk_attn_weights_einsum_cls is not None or self.attn_weights_value_einsum_cls is not None:
       raise ValueError("attention-weight einsum classes do not apply to FAVOR attention")
-    layers.check_favor_args(num_features=self.num_features, kernel=self.kernel, projection=self.projection,
-                            causal=self.causal, decode=self.decode, window=self.window,
-                            per_head_projection=self.per_head_projection, qk_head_dim=self.qk_head_dim,
-                            causal_method=self.causal_method)
-    layers.check_sequence_parallel(self.mesh, self.sequence_axis, causal_method=self.causal_method,
-                                   decode=self.decode, window=self.window, batch_axis=self.batch_axis)
-    layers.check_qk_transform(self.qk_transform, decode=self.decode)
-    layers.rho_momentum(self.rho_momentum, self.kernel, self.causal)
+    return FavorSettings.build(
+        kernel=self.kernel, num_features=self.num_features, projection=self.projection,
+        per_head_projection=self.per_head_projection, causal=self.causal, causal_method=self.causal_method,
+        chunk_size=self.chunk_size, window=self.window, qk_head_dim=self.qk_head_dim,
+        rho_momentum=self.rho_momentum, decode=self.decode, qk_transform=self.qk_transform, mesh=self.mesh,
+        sequence_axis=self.sequence_axis, batch_axis=self.batch_axis)
 
   @nn.compact
   def __call__(self, inputs_q, inputs_k=None, inputs_v=None, *, mask=None, deterministic=None,
                dropout_rng=None, sow_weights=False, query_mask=None):
     del dropout_rng
-    self._check_config()
+    settings = self.settings
     if sow_weights:
       raise ValueError("sow_weights is not supported: FAVOR attention never forms attention weights")
-    inputs_q, inputs_k, inputs_v = layers.check_inputs(inputs_q, inputs_k, inputs_v)
+    inputs_q, inputs_k, inputs_v = inputs.check_inputs(inputs_q, inputs_k, inputs_v)
     features = self.out_features or inputs_q.shape[-1]
     qkv_features = self.qkv_features or inputs_q.shape[-1]
     if qkv_features % self.num_heads:
@@ -161,34 +167,30 @@ class FavorAttention(nn.MultiHeadDotProductAttention):
     if self.normalize_qk:
       ln = lambda name: nn.LayerNorm(name=name, use_bias=False, dtype=self.dtype, param_dtype=self.param_dtype)
       query, key = ln("query_ln")(query), ln("key_ln")(key)
-    query, key = layers.transform_qk(self.qk_transform, query, key)
-    projection = self._projection(qk_dim)
+    query, key = inputs.transform_qk(self.qk_transform, query, key)
+    projection = self._projection(settings, qk_dim)
 
-    deterministic = layers.resolve_deterministic(self.dropout_rate, self.deterministic, deterministic)
-    key_mask, query_mask = layers.padding_masks(mask, inputs_q, inputs_k, key, query_mask, query)
-    rho = self._running_statistic(query, key, key_mask, query_mask, train=not deterministic)
-    attend = dict(kernel=self.kernel, key_mask=key_mask, rho=rho, chunk_size=self.chunk_size)
-    with layers.precision_scope(self.precision):
+    deterministic = inputs.resolve_deterministic(self.dropout_rate, self.deterministic, deterministic)
+    key_mask, query_mask = inputs.padding_masks(mask, inputs_q, inputs_k, key, query_mask, query)
+    rho = self._running_statistic(settings, query, key, key_mask, query_mask, train=not deterministic)
+    with inputs.precision_scope(self.precision):
       if self.decode:
-        x = self._decode(query, key, value, projection, attend)
+        x = self._decode(settings, query, key, value, projection, key_mask, rho)
       else:
-        x = layers.attend(query, key, value, projection, window=self.window, causal=self.causal,
-                          causal_method=self.causal_method, mesh=self.mesh, sequence_axis=self.sequence_axis,
-                          batch_axis=self.batch_axis, query_mask=query_mask, **attend)
+        x = attend(query, key, value, projection, settings, key_mask=key_mask, query_mask=query_mask, rho=rho)
     return nn.DenseGeneral(
         features=features, axis=(-2, -1), kernel_init=self.out_kernel_init or self.kernel_init,
         bias_init=self.out_bias_init or self.bias_init, use_bias=self.use_bias, dtype=self.dtype,
         param_dtype=self.param_dtype, precision=self.precision, dot_general=self.out_dot_general,
         dot_general_cls=self.out_dot_general_cls, name="out")(x)
 
-  def _projection(self, qk_dim):
+  def _projection(self, settings, qk_dim):
     """The drawn ``favor/projection``, the trained ``params/feature_map``, or None (kernel without one)."""
-    role = layers.projection_role(self.kernel)
+    role = settings.role
     if role == "none":
       return None
-    lead = (self.num_heads,) if layers.per_head(self.kernel, self.per_head_projection) else ()
-    initial = lambda rng: layers.layer_projection(rng, self.kernel, self.num_features, self.projection,
-                                                  self.per_head_projection, self.num_heads, qk_dim)
+    lead = (self.num_heads,) if settings.per_head else ()
+    initial = lambda rng: layer_projection(rng, settings, self.num_heads, qk_dim)
     if role == "learned":
       want, name = lead + (qk_dim, qk_dim), "params/feature_map"
       if self.has_variable("params", "feature_map"):  # checked here: Flax's own check names no argument
@@ -197,10 +199,8 @@ class FavorAttention(nn.MultiHeadDotProductAttention):
     else:
       value = self.variable("favor", "projection", lambda: initial(self.make_rng("params"))).value
       self.variable("favor", "projection_kind",
-                    lambda: jnp.asarray(layers.PROJECTIONS.index(layers.projection_kind(self.projection)),
-                                        jnp.int32))
-      num_features = self.num_features or layers.DEFAULT_NUM_FEATURES
-      want, name = lead + (num_features, qk_dim), "favor/projection"
+                    lambda: jnp.asarray(PROJECTIONS.index(settings.projection_kind), jnp.int32))
+      want, name = lead + (settings.features, qk_dim), "favor/projection"
     self._check_shape(name, value, want)
     return value
 
@@ -209,24 +209,24 @@ class FavorAttention(nn.MultiHeadDotProductAttention):
       raise ValueError(f"{name} must have shape {want}, got {value.shape} (num_heads={self.num_heads}, "
                        f"kernel={self.kernel!r}, per_head_projection={self.per_head_projection})")
 
-  def _running_statistic(self, query, key, key_mask, query_mask, train):
+  def _running_statistic(self, settings, query, key, key_mask, query_mask, train):
     """Causal data-dependent kernels: the running statistic as it was before this step (then updated
     if training). Named after the kernel's ``statistic`` (FAVOR++: ``rho`` [H])."""
-    if not layers.keeps_statistic(self.kernel, self.causal):
+    if not settings.keeps_statistic:
       return None
     kern = core.get_kernel(self.kernel)
-    stat = self.variable("favor", kern.statistic, layers.initial_statistic, self.kernel, *query.shape[-2:])
+    stat = self.variable("favor", kern.statistic, statistic.initial_statistic, self.kernel, *query.shape[-2:])
     used = stat.value
     if self.is_initializing():
       return used
-    layers.check_running_statistic(self.kernel, train=train, decode=self.decode,
-                                   mutable=self.is_mutable_collection("favor"))
+    statistic.check_running_statistic(self.kernel, train=train, decode=self.decode,
+                                      mutable=self.is_mutable_collection("favor"))
     if train:
-      momentum = layers.rho_momentum(self.rho_momentum, self.kernel, self.causal)
-      stat.value = layers.updated_statistic(self.kernel, used, query, key, key_mask, momentum, query_mask)
+      stat.value = statistic.updated_statistic(self.kernel, used, query, key, key_mask, settings.rho_momentum,
+                                               query_mask)
     return used
 
-  def _decode(self, query, key, value, projection, attend):
+  def _decode(self, settings, query, key, value, projection, key_mask, rho):
     empty = lambda: core.favor_decode_init(query[..., :1, :, :], value[..., :1, :, :], projection,
                                            kernel=self.kernel, window=self.window)
     state_type = type(jax.eval_shape(empty))  # RecurrentState, or HybridState with a window
@@ -243,11 +243,11 @@ class FavorAttention(nn.MultiHeadDotProductAttention):
       state = empty()
       for name in fields:
         self.variable("cache", name, lambda name=name: getattr(state, name))
-      return layers.attend(query, key, value, projection, causal=True, window=self.window,
-                           causal_method=self.causal_method, **attend)
+      return attend(query, key, value, projection, settings, key_mask=key_mask, rho=rho)
     cache = [self.variable("cache", name) for name in fields]
     state = state_type(*(c.value for c in cache))
-    state, x = core.favor_decode_step(state, query, key, value, projection, window=self.window, **attend)
+    state, x = core.favor_decode_step(state, query, key, value, projection, kernel=self.kernel, key_mask=key_mask,
+                                      rho=rho, chunk_size=self.chunk_size, window=self.window)
     for c, new in zip(cache, state):
       c.value = new
     return x

@@ -20,7 +20,11 @@ from flax import nnx
 from flax.nnx.nn.attention import default_kernel_init
 from jax.sharding import Mesh
 
-from favor_jax import core, layers
+from favor_jax import core
+from favor_jax.layers import inputs, statistic
+from favor_jax.layers.attend import attend
+from favor_jax.layers.projection import layer_projection, redraw_projection
+from favor_jax.layers.settings import FavorSettings
 
 __all__ = ["FavorAttention", "FavorProjection", "FavorStats", "redraw"]
 
@@ -87,36 +91,32 @@ class FavorAttention(nnx.MultiHeadAttention):
     if flax_kwargs.get("num_kv_heads") not in (None, num_heads):
       raise ValueError(f"FavorAttention needs num_kv_heads == num_heads ({num_heads}), "
                        f"got {flax_kwargs['num_kv_heads']}")
-    layers.check_favor_args(num_features=num_features, kernel=kernel, projection=projection, causal=causal,
-                            decode=flax_kwargs.get("decode", False), window=window,
-                            per_head_projection=per_head_projection, qk_head_dim=qk_head_dim,
-                            causal_method=causal_method)
-    layers.check_sequence_parallel(mesh, sequence_axis, causal_method=causal_method,
-                                   decode=flax_kwargs.get("decode", False), window=window, batch_axis=batch_axis)
-    layers.check_qk_transform(qk_transform, decode=flax_kwargs.get("decode", False))
-    momentum = layers.rho_momentum(rho_momentum, kernel, causal)  # None: the layer keeps no running statistic
+    settings = FavorSettings.build(
+        kernel=kernel, num_features=num_features, projection=projection, per_head_projection=per_head_projection,
+        causal=causal, causal_method=causal_method, chunk_size=chunk_size, window=window, qk_head_dim=qk_head_dim,
+        rho_momentum=rho_momentum, decode=flax_kwargs.get("decode", False), qk_transform=qk_transform, mesh=mesh,
+        sequence_axis=sequence_axis, batch_axis=batch_axis)
     super().__init__(num_heads, in_features, qkv_features, out_features, rngs=rngs, **flax_kwargs)
+    self.settings = settings
     self.kernel = kernel
-    self.projection_kind = layers.projection_kind(projection)
+    self.projection_kind = settings.projection_kind
     self.window = window
     self.causal = causal
     self.chunk_size = chunk_size
     self.causal_method = causal_method
-    self.rho_momentum = momentum
+    self.rho_momentum = settings.rho_momentum  # None: the layer keeps no running statistic
     self.mesh, self.sequence_axis, self.batch_axis = mesh, sequence_axis, batch_axis
     self.qk_transform = qk_transform
     self.qk_head_dim = qk_head_dim or self.head_dim
     if self.qk_head_dim != self.head_dim:
       self._rebuild_query_key(flax_kwargs, rngs)
-    initial = layers.layer_projection(rngs.params(), kernel, num_features, projection, per_head_projection,
-                                      num_heads, self.qk_head_dim)
-    learned = layers.projection_role(kernel) == "learned"
+    initial = layer_projection(rngs.params(), settings, num_heads, self.qk_head_dim)
+    learned = settings.role == "learned"
     self.projection = FavorProjection(initial) if initial is not None and not learned else nnx.data(None)
     self.projection_shape = None if initial is None else tuple(initial.shape)
     self.feature_map = nnx.Param(initial.astype(self.param_dtype)) if learned else nnx.data(None)
-    data_dependent = layers.keeps_statistic(kernel, causal)
-    self.statistic = (FavorStats(layers.initial_statistic(kernel, num_heads, self.qk_head_dim))
-                      if data_dependent else nnx.data(None))
+    self.statistic = (FavorStats(statistic.initial_statistic(kernel, num_heads, self.qk_head_dim))
+                      if settings.keeps_statistic else nnx.data(None))
     self.decode_state = nnx.data(None)
 
   def _rebuild_query_key(self, flax_kwargs, rngs) -> None:
@@ -160,7 +160,7 @@ class FavorAttention(nnx.MultiHeadAttention):
     if old.shape != self.projection_shape:
       raise ValueError(f"projection must have shape {self.projection_shape} (per_head_projection="
                        f"{len(self.projection_shape) == 3}), got {old.shape}; set it back or build a new layer")
-    fresh = layers.redraw_projection(key, self.projection_kind, old)
+    fresh = redraw_projection(key, self.projection_kind, old)
     self.projection[...] = jnp.where(due, fresh, old)
 
   def init_cache(self, input_shape, dtype=jnp.float32) -> None:
@@ -193,40 +193,35 @@ class FavorAttention(nnx.MultiHeadAttention):
     if out_sharding is not None or qkv_sharding is not None:
       raise ValueError("out_sharding and qkv_sharding are not supported by FavorAttention: split the sequence "
                        "with mesh, sequence_axis and batch_axis")
-    inputs_q, inputs_k, inputs_v = layers.check_inputs(inputs_q, inputs_k, inputs_v)
+    inputs_q, inputs_k, inputs_v = inputs.check_inputs(inputs_q, inputs_k, inputs_v)
     if inputs_q.shape[-1] != self.in_features:
       raise ValueError(f"inputs_q has {inputs_q.shape[-1]} features, the module expects {self.in_features}")
     query, key, value = self.query(inputs_q), self.key(inputs_k), self.value(inputs_v)
     if self.normalize_qk:
       query, key = self.query_ln(query), self.key_ln(key)
     decode = self.decode if decode is None else decode
-    layers.check_qk_transform(self.qk_transform, decode=decode)  # decode may be asked for at call time
-    query, key = layers.transform_qk(self.qk_transform, query, key)
+    if decode:
+      self.settings.check_decode_at_call()  # decode may be asked for at call time
+    query, key = inputs.transform_qk(self.qk_transform, query, key)
 
-    deterministic = layers.resolve_deterministic(self.dropout_rate, self.deterministic, deterministic)
-    key_mask, query_mask = layers.padding_masks(mask, inputs_q, inputs_k, key, query_mask, query)
+    deterministic = inputs.resolve_deterministic(self.dropout_rate, self.deterministic, deterministic)
+    key_mask, query_mask = inputs.padding_masks(mask, inputs_q, inputs_k, key, query_mask, query)
     rho = None
     if self.statistic is not None:
       rho = self.statistic.get_value()
-      layers.check_running_statistic(self.kernel, train=not deterministic, decode=decode)
+      statistic.check_running_statistic(self.kernel, train=not deterministic, decode=decode)
       if not deterministic:
         self.statistic.set_value(
-            layers.updated_statistic(self.kernel, rho, query, key, key_mask, self.rho_momentum, query_mask))
-    attend = dict(kernel=self.kernel, key_mask=key_mask, rho=rho, chunk_size=self.chunk_size,
-                  window=self.window)
+            statistic.updated_statistic(self.kernel, rho, query, key, key_mask, self.rho_momentum, query_mask))
     projection = self._projection()
-    with layers.precision_scope(self.precision):
+    with inputs.precision_scope(self.precision):
       if decode:
-        layers.check_sequence_parallel(self.mesh, self.sequence_axis, causal_method=self.causal_method,
-                                       decode=True, window=self.window)  # decode asked for at call time
-        layers.check_causal_method(self.causal_method, layers.DECODE_RUNS_CHUNKED)
         if self.decode_state is None:
           raise ValueError("decode=True needs the recurrent state: call init_cache(input_shape) first")
         state, x = core.favor_decode_step(self.decode_state.get_value(), query, key, value, projection,
-                                          **attend)
+                                          kernel=self.kernel, key_mask=key_mask, rho=rho,
+                                          chunk_size=self.chunk_size, window=self.window)
         self.decode_state.set_value(state)
       else:
-        x = layers.attend(query, key, value, projection, causal=self.causal, causal_method=self.causal_method,
-                          mesh=self.mesh, sequence_axis=self.sequence_axis, batch_axis=self.batch_axis,
-                          query_mask=query_mask, **attend)
+        x = attend(query, key, value, projection, self.settings, key_mask=key_mask, query_mask=query_mask, rho=rho)
     return self.out(x)

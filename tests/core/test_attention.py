@@ -101,7 +101,7 @@ def test_bidirectional_blocks_equal_one_block(name, monkeypatch):
   # Keys folded block by block (rescaled as the per-feature max grows) and queries read block by
   # block give the explicit quadratic form: 37 keys in blocks of 8 (+5), 19 queries (+3), a key
   # mask that empties a whole block (its max is −∞) — outputs and gradients.
-  from favor_jax.core import shared
+  from favor_jax.core import state as shared
 
   q, k, v = _qkv()
   q = q[:, :19] * 2.0

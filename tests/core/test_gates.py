@@ -12,7 +12,8 @@ import pytest
 
 from favor_jax import core
 from favor_jax.core import causal as causal_lib
-from favor_jax.core import kernels, shared
+from favor_jax.core import causal_xla, kernels
+from favor_jax.core import features as features_lib
 
 B, L, H, D, M = 2, 40, 2, 8, 16
 SCALES = (1.0, 7.0, 20.0)
@@ -246,8 +247,8 @@ def test_the_gated_estimator_is_unbiased_for_the_gated_softmax_kernel():
 
   def one(key):
     proj = core.iid_gaussian_projection(key, 8, D)
-    feature_fn = shared.feature_fn_for(kernels.KERNELS["positive"], proj, None, True)
-    num, _, scale = causal_lib.chunked(feature_fn, q, k, v, mask, chunk_size=4, return_scale=True, gate=g)
+    features = features_lib.of_kernel(kernels.KERNELS["positive"], proj, None, True)
+    num, _, scale = causal_xla.chunked(features, q, k, v, mask, chunk_size=4, return_scale=True, gate=g)
     return num * jnp.exp(scale)[..., None]  # [1, t, H, j]
 
   est = np.asarray(jax.jit(jax.vmap(one))(jax.random.split(jax.random.PRNGKey(1), draws)), np.float64)[:, 0]

@@ -211,6 +211,19 @@ def test_local_cluster_refuses_a_cluster_field_on_its_command_line():
   assert [c[-1] for c in cmds] == ["--config.mesh.process_id=0", "--config.mesh.process_id=1"]
 
 
+def test_local_cluster_names_a_missing_config():
+  """Without ``-- --config=...`` the cluster's own fields were refused first: "Unknown command line flag
+  'config.mesh.distributed'"."""
+  for args in ([], ["--workdir=/tmp/run"], ["--config.mesh.data=2"]):
+    with pytest.raises(ValueError, match=r"no --config among experiments.main's arguments"):
+      local_cluster.commands(2, 1234, args)
+  result = subprocess.run([sys.executable, "-m", "experiments.local_cluster", "--processes=2"], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+  assert result.returncode != 0
+  assert "no --config among experiments.main's arguments" in result.stderr, result.stderr[-3000:]
+  assert "Unknown command line flag" not in result.stderr and "Traceback" not in result.stderr
+
+
 def test_distributed_without_a_cluster_is_named(tmp_path):
   """mesh.distributed=True where JAX detects no cluster and none is given: JAX's bare "coordinator_address
   should be defined" now says which field asked for it and what to give."""

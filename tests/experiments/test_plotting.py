@@ -1,5 +1,6 @@
 """Figures a reader can read: distinct series, legends off the data, tick labels apart, one unit per figure."""
 
+import json
 import math
 
 import ml_collections
@@ -84,3 +85,72 @@ def test_training_curves_use_one_unit(kept_figures):
   assert list(train) == pytest.approx([4.0 / math.log(2), 3.0 / math.log(2)])  # bits/char, as the eval panel
   assert list(evals) == pytest.approx([5.0 / math.log(2), 2.9 / math.log(2)])
   assert "bits/char" in fig.axes[0].get_ylabel() and "bits/char" in fig.axes[1].get_ylabel()
+
+
+def test_loss_figure_ticks_enclose_the_curve(kept_figures):
+  # A curve ending at 2.47 under ticks 2.5, 3.0, ...: the lowest tick sat above the curve's end.
+  records = [dict(kind="eval", step=0, eval_loss=4.0, eval_bpc=5.6, eval_accuracy=0.1)]
+  records += [dict(kind="train", step=s, train_loss=(2.47 + 3.0 / s) * math.log(2)) for s in range(10, 310, 10)]
+  records += [dict(kind="eval", step=300, eval_loss=1.7, eval_bpc=2.47, eval_accuracy=0.4)]
+  plotting.training_curves({"softmax": records}, "/nonexistent")
+  (fig,) = kept_figures
+  for ax in fig.axes:
+    ys = [y for line in ax.get_lines() for y in line.get_ydata()]
+    visible = [t for t in ax.get_yticks() if ax.get_ylim()[0] - 1e-9 <= t <= ax.get_ylim()[1] + 1e-9]
+    assert min(visible) <= min(ys) and max(visible) >= max(ys), (visible, min(ys), max(ys))
+
+
+def _study(tmp_path):
+  """Records and metrics.jsonl of a four-run study: three FAVOR runs share their state size and nearly their
+  quality (their points would sit on one another), softmax has two seeds."""
+  runs = [("softmax", "softmax", 0, 32768, 2.60), ("softmax_seed1", "softmax", 1, 32768, 2.62),
+          ("favor", "favor", 0, 8704, 2.700), ("hedgehog", "favor", 0, 8704, 2.701), ("sharp", "favor", 0, 8704, 2.702)]
+  records = []
+  for name, attention, seed, state, bpc in runs:
+    kernel = {"favor": "positive", "hedgehog": "hedgehog", "sharp": "saderf"}.get(name, "")
+    records.append(dict(name=name, task="shakespeare", attention=attention, kernel=kernel,
+                        num_features=64 if kernel in ("positive", "saderf") else 0, projection="", redraw_every=0,
+                        window=0, qk_head_dim=0, short_conv=0, seq_len=128, num_kv_pairs=0, steps=20, features=64,
+                        state_size=state, seed=seed, eval_loss=bpc * math.log(2), eval_bpc=bpc, eval_accuracy=0.4,
+                        best_eval_accuracy=0.4, steps_per_s=1.0))
+    (tmp_path / name).mkdir()
+    lines = [dict(kind="eval", step=0, eval_loss=4.0, eval_bpc=5.8, eval_accuracy=0.1),
+             dict(kind="train", step=10, train_loss=3.0), dict(kind="train", step=20, train_loss=2.0),
+             dict(kind="eval", step=20, eval_loss=bpc * math.log(2), eval_bpc=bpc, eval_accuracy=0.4)]
+    (tmp_path / name / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+  return records
+
+
+def test_a_run_keeps_its_colour_marker_and_label_in_every_figure_of_a_study(kept_figures, tmp_path):
+  from experiments import sweep
+  sweep.plot(_study(tmp_path), ml_collections.ConfigDict(dict(task="shakespeare")), str(tmp_path))
+  curves, state = kept_figures
+  eval_panel = curves.axes[1]
+  in_curves = {line.get_label(): (matplotlib.colors.to_hex(line.get_color()), line.get_marker())
+               for line in eval_panel.get_lines()}
+  in_state = {}
+  for collection in state.axes[0].collections:
+    marker = next(m for m, path in _marker_paths().items() if _same_path(collection.get_paths()[0], path))
+    in_state[collection.get_label()] = (matplotlib.colors.to_hex(collection.get_facecolor()[0]), marker)
+  assert set(in_state) == {"softmax", "favor", "hedgehog", "sharp"}  # one point per setting: seeds averaged
+  assert all(in_curves[name] == in_state[name] for name in in_state), (in_curves, in_state)
+  assert len(set(in_curves.values())) == len(in_curves)  # and no two runs alike
+
+
+def test_points_of_equal_state_do_not_hide_each_other(kept_figures, tmp_path):
+  from experiments import sweep
+  sweep.plot(_study(tmp_path), ml_collections.ConfigDict(dict(task="shakespeare")), str(tmp_path))
+  state = kept_figures[1]
+  ax = state.axes[0]
+  centres = [ax.transData.transform(c.get_offsets()[0]) for c in ax.collections]
+  diameter = 2 * math.sqrt(40 / math.pi) * state.dpi / 72  # s=40 points² markers, in pixels
+  assert all(math.dist(a, b) >= diameter for i, a in enumerate(centres) for b in centres[i + 1:])
+
+
+def _same_path(a, b):
+  return a.vertices.shape == b.vertices.shape and (abs(a.vertices - b.vertices) < 1e-9).all()
+
+
+def _marker_paths():
+  from matplotlib.markers import MarkerStyle
+  return {m: MarkerStyle(m).get_path().transformed(MarkerStyle(m).get_transform()) for m in plotting.MARKERS}

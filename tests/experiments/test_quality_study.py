@@ -103,11 +103,50 @@ def test_mean_over_seeds_groups_settings_not_names():
   assert rows["a"]["spread"] == pytest.approx(0.2) and rows["b"]["eval_accuracy"] == 0.9
   text = sweep.summarize(records, tiny())
   assert "| a | positive M=64 | 8 | 2 | 0.6000 | 0.2000 |" in text
-  assert "- a: 0.600" in text and "- b: 0.900" in text  # against softmax's 1.0 with the same kv pairs
+  # accuracies against softmax's 100% with the same kv pairs: both, and the difference in points
+  assert "- a: 60.0% against softmax's 100.0% (-40.0 points), mean over 2 seeds" in text
+  assert "- b: 90.0% against softmax's 100.0% (-10.0 points)" in text
   assert "- c:" not in text  # 16 pairs: no softmax run at 16 pairs to compare with
   # a model with a short convolution is compared with softmax in the same model, and only with it
-  assert text.count("- a_conv:") == 1 and "- a_conv: 1.900" in text and text.count("- a:") == 1
-  assert "| a_conv | positive M=64 + conv 4 |" in text
+  assert text.count("- a_conv:") == 1 and "- a_conv: 95.0% against softmax's 50.0% (+45.0 points)" in text
+  assert text.count("- a:") == 1 and "| a_conv | positive M=64 + conv 4 |" in text
+  assert "Finding: the best run without softmax, a_conv (positive M=64 + conv 4), reaches eval_accuracy 95.0%" in text
+
+
+def _bpc(name, seed, bpc, **setting):
+  return _record(name, seed, 0.5, task="shakespeare", num_kv_pairs=0, eval_bpc=bpc, **setting)
+
+
+def test_summary_says_mean_over_seeds_only_over_several_seeds():
+  one_seed = [_bpc("softmax", 0, 2.0, attention="softmax", kernel="", features=0), _bpc("favor", 0, 2.2)]
+  text = sweep.summarize(one_seed, tiny())
+  assert "mean over" not in text.lower() and "Mean over seeds" not in text
+  assert "- favor: 1.100" in text
+  two = one_seed + [_bpc("softmax_seed1", 1, 2.2, attention="softmax", kernel="", features=0)]
+  text = sweep.summarize(two, tiny())
+  assert "Relative to softmax (softmax, mean over 2 seeds)" in text and "- favor: 1.048\n" in text
+  assert "## Mean over seeds" in text
+
+
+def test_summary_drops_columns_empty_in_every_row():
+  records = [_bpc("softmax", 0, 2.0, attention="softmax", kernel="", features=0), _bpc("favor", 0, 2.2)]
+  header = next(line for line in sweep.summarize(records, tiny()).splitlines() if line.startswith("| run |"))
+  columns = [c.strip() for c in header.strip("|").split("|")]
+  assert "kv pairs" not in columns and "F" in columns  # no run has kv pairs; F: softmax "–", FAVOR its 64
+  row = next(line for line in sweep.summarize(records, tiny()).splitlines() if line.startswith("| softmax |"))
+  assert len(row.strip("|").split("|")) == len(columns) and "| – |" in row
+  mqar = [_record("softmax", 0, 1.0, attention="softmax", kernel="", features=0), _record("a", 0, 0.5)]
+  assert "kv pairs" in sweep.summarize(mqar, tiny())
+
+
+def test_near_chance_accuracies_are_not_compared():
+  # The MQAR quick summary printed "positive_m64: 1.286" for 1.8% against 1.4% (8 pairs: chance 12.5%).
+  records = [_record("softmax", 0, 0.014, attention="softmax", kernel="", features=0),
+             _record("positive_m64", 0, 0.018)]
+  text = sweep.summarize(records, tiny())
+  assert "1.286" not in text and "ratio" not in text
+  assert "neither has learned the task: no comparison" in text
+  assert "Finding: no run learns the task" in text
 
 
 # --- real activations ----------------------------------------------------------------------------------

@@ -1,5 +1,5 @@
-"""Every ``python -m experiments.main`` command of README.md is accepted as written, and each one that writes
-into experiments/results/ would run what the committed results there ran."""
+"""Every ``python -m experiments.main`` command of README.md and the docs pages (docs/*.md) is accepted as
+written, and each one that writes into experiments/results/ would run what the committed results there ran."""
 
 import copy
 import json
@@ -52,14 +52,20 @@ def parse(args):
   return config.value, main.command_line_overrides(values), values["workdir"].value
 
 
-COMMANDS = experiment_commands((ROOT / "README.md").read_text())
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]  # the front page and the guide pages
+COMMANDS = experiment_commands("\n".join(page.read_text() for page in PAGES))
+# A results directory may name the command that wrote it in its own README.md, where README.md's command for the
+# same config writes elsewhere (the main job: --workdir=workdir/showcase there).
+OWN_COMMANDS = [args for path in sorted((ROOT / "experiments/results").glob("*/README.md"))
+                for args in experiment_commands(path.read_text())
+                if f"--workdir={path.parent.relative_to(ROOT)}" in args]
 
 
-def test_readme_has_its_experiment_commands():
+def test_pages_have_their_experiment_commands():
   assert len(COMMANDS) >= 20, COMMANDS  # main job, each study, the estimator runs, clusters, speed tables
 
 
-@pytest.mark.parametrize("args", COMMANDS, ids=lambda args: " ".join(args)[:90])
+@pytest.mark.parametrize("args", COMMANDS + OWN_COMMANDS, ids=lambda args: " ".join(args)[:90])
 def test_readme_experiment_command_is_accepted(args):
   config, overrides, _ = parse(args)
   main.prepare(config, overrides)  # every check made before a run starts: fields, values, overrides read
@@ -71,7 +77,8 @@ def runs(config, study) -> dict:
 
 
 # (arguments, work directory) of the commands writing committed results, each command parsed once here.
-RESULTS = [(args, workdir) for args in COMMANDS if (workdir := parse(args)[2]).startswith("experiments/results/")]
+RESULTS = [(args, workdir) for args in COMMANDS + OWN_COMMANDS
+           if (workdir := parse(args)[2]).startswith("experiments/results/")]
 
 
 @pytest.mark.parametrize("args,workdir", RESULTS, ids=[workdir for _, workdir in RESULTS])
@@ -102,4 +109,14 @@ def test_every_committed_result_has_its_readme_command():
     name = str(path.parent.relative_to(ROOT))
     own = path.parent / "README.md"  # a GPU run's directory says how it was made (experiments/gpu_check.sh)
     assert name in written or (own.exists() and "experiments/gpu_check.sh" in own.read_text()), (
-        f"{name} holds committed results that no README command writes")
+        f"{name} holds committed results that no README command (README.md's or its own) writes")
+
+
+def test_the_main_command_is_the_showcase():
+  """README.md names the main job as one line that installs and runs it (the form the docs quote)."""
+  text = (ROOT / "README.md").read_text()
+  main_command = ('pip install -e ".[experiments]" && python -m experiments.main '
+                  '--config=experiments/configs/showcase.py --workdir=workdir/showcase')
+  if "configs/showcase.py" not in text:
+    pytest.skip("README.md does not name the showcase yet (the docs rewrite adds it)")
+  assert main_command in text

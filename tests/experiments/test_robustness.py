@@ -162,12 +162,16 @@ def damage(path, how):
   elif how == "zero":
     with open(path, "r+b") as f:
       f.write(bytes(os.path.getsize(path)))
+  elif os.path.isdir(path):
+    shutil.rmtree(path)
   else:
     os.remove(path)
 
 
-# Files whose damage orbax notices (the others in a step are copies it does not read back).
-DAMAGE = [("truncate", "default/d/*"), ("zero", "default/manifest.ocdbt"), ("delete", "default/_METADATA")]
+# Files whose damage orbax notices (the others in a step are copies it does not read back), and the step's
+# item directory (its loss failed every step's restore after it).
+DAMAGE = [("truncate", "default/d/*"), ("zero", "default/manifest.ocdbt"), ("delete", "default/_METADATA"),
+          ("delete", "default")]
 
 
 @pytest.mark.parametrize("how,pattern", DAMAGE)
@@ -210,6 +214,11 @@ def test_no_intact_checkpoint_stops_naming_the_directory(reference, tmp_path):
   assert sorted(os.listdir(checkpoints)) == ["4", "6"]  # nothing moved or deleted
   with open(os.path.join(workdir, "metrics.jsonl")) as f:
     assert f.read() == metrics
+
+
+def test_a_finished_run_leaves_no_lock_file(reference):
+  workdir, _, _, _ = reference
+  assert os.path.isdir(workdir) and not os.path.exists(os.path.join(workdir, ".lock"))
 
 
 def test_a_stopped_run_writes_no_results_and_a_fresh_start_keeps_no_old_records(reference, tmp_path):

@@ -1,0 +1,153 @@
+"""A run directory's checkpoints (the newest that restores, damaged steps moved aside), the config it was
+started with, and the lock that keeps a second command out of it."""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import socket
+
+import jax
+import orbax.checkpoint as ocp
+
+from experiments.config_checks import unused_fields
+from experiments.configs import common
+from experiments.steps import TrainState
+
+
+def _reason(error: Exception, width: int = 160) -> str:
+  text = " ".join(str(error).split())
+  return f"{type(error).__name__}: {text[:width]}{'…' if len(text) > width else ''}"
+
+
+ITEM = "default"  # the directory of a step that holds the state (orbax's name for a manager's single item)
+
+
+def open_checkpoints(directory: str, state: TrainState, progress,
+                     check_resume=lambda newest_step: None) -> tuple[ocp.CheckpointManager, TrainState]:
+  """The checkpoint manager of ``directory`` and the newest checkpoint that restores (else ``state``).
+
+  ``check_resume(newest step)`` runs before anything is restored when ``directory`` holds a checkpoint (so a
+  config that cannot resume there is named before orbax compares array shapes). A step that does not restore
+  (a truncated, zeroed or missing file, a missing item directory) is skipped and, once an older step restores, moved to
+  ``directory/damaged/``: orbax saves no step at or before its newest one, so left in place it would keep the
+  resumed run from checkpointing. If no step restores, nothing is moved and a ValueError names the directory.
+  """
+  directory = os.path.abspath(directory)
+  checkpoints = ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(max_to_keep=2))
+  damaged, steps = [], sorted(checkpoints.all_steps(), reverse=True)
+  if steps:
+    check_resume(steps[0])
+  for step in steps:
+    try:
+      if not os.path.isdir(os.path.join(directory, str(step), ITEM)):  # orbax's restore of such a step leaves
+        raise FileNotFoundError(f"its item directory {ITEM}/ is missing")  # the manager failing every other one
+      restored = checkpoints.restore(step, args=ocp.args.StandardRestore(state))
+    except Exception as e:  # orbax and tensorstore raise many types (JSON, tree structure, data loss, ...)
+      damaged.append((step, _reason(e)))
+      progress(f"the checkpoint at step {step} cannot be restored, skipping it ({damaged[-1][1]})")
+      continue
+    if damaged:
+      options = ocp.CheckpointManagerOptions(todelete_subdir="damaged")  # moved aside, not deleted
+      mover = ocp.CheckpointManager(directory, options=options)
+      for bad, _ in damaged:
+        mover.delete(bad)
+        progress(f"moved the damaged checkpoint at step {bad} to {os.path.join(directory, 'damaged')}")
+      checkpoints.reload()
+    progress(f"resumed from the checkpoint at step {int(restored.step)}")
+    return checkpoints, restored
+  if damaged:
+    reasons = "; ".join(f"step {s}: {r}" for s, r in damaged)
+    raise ValueError(f"no checkpoint in {directory} can be restored into this config's training state "
+                     f"({reasons}). If its files are damaged or were written by another config, move or "
+                     "delete that directory to start the run over.")
+  return checkpoints, state
+
+
+# Fields a resumed run may change: when it logs, evaluates, checkpoints and stops, and its mesh (orbax reshards
+# a checkpoint onto any mesh). A study's own fields (its variants, the config file) are not the run's. Every
+# other field decides what the run computes, so a run directory resumes only under the config it started with.
+MAY_CHANGE_ON_RESUME = ("train.stop_after", "train.log_every", "train.eval_every", "train.checkpoint_every", "mesh")
+NOT_OF_THE_RUN = ("experiment", "config_name", "quick", "variants", "only")
+RUN_CONFIG = "run_config.json"  # in the run directory: the fields it was started with
+
+
+def run_fields(config, resume: bool = True) -> dict:
+  """{dotted field: value} of what ``config`` computes (JSON values: tuples read back as lists): not the
+  study's fields, those the run does not read (``unused_fields``), nor (``resume``) those a resume may change."""
+  flat = common.flat_fields(config.to_dict())
+  skip = (MAY_CHANGE_ON_RESUME if resume else ()) + NOT_OF_THE_RUN
+  unused = unused_fields(config)
+  kept = {k: v for k, v in flat.items()
+          if k not in unused and not any(k == s or k.startswith(s + ".") for s in skip)}
+  return json.loads(json.dumps(kept, default=str))
+
+
+def record_run_config(workdir: str, config) -> None:
+  """Writes ``workdir/RUN_CONFIG``: the fields a resume is checked against (process 0 only)."""
+  if jax.process_index() == 0:
+    with open(os.path.join(workdir, RUN_CONFIG), "w") as f:
+      json.dump(run_fields(config), f, indent=1)
+
+
+def check_resumed_config(workdir: str, config, step: int) -> None:
+  """A run whose checkpoints reach ``step`` > 0 goes on only under the config it was started with
+  (``RUN_CONFIG``): otherwise the numbers of the finished steps would be reported as this config's."""
+  path = os.path.join(workdir, RUN_CONFIG)
+  restart = f"give another run directory, or delete {workdir} to start this run over"
+  if not os.path.exists(path):
+    raise ValueError(f"{workdir} holds checkpoints (step {step}) but no {RUN_CONFIG} (written by an older "
+                     f"version), so this config cannot be checked against the one it ran: {restart}")
+  with open(path) as f:
+    stored = json.load(f)
+  now = run_fields(config)
+  changed = [f"{k}: {stored.get(k, '(absent)')!r} -> {now.get(k, '(absent)')!r}"
+             for k in sorted(stored.keys() | now.keys()) if stored.get(k, "(absent)") != now.get(k, "(absent)")]
+  if changed:
+    raise ValueError(f"{workdir} holds a run (checkpoint at step {step}) started with another config; resuming "
+                     f"would report its steps as this config's. Changed: {'; '.join(changed)}. Only "
+                     f"{', '.join(MAY_CHANGE_ON_RESUME)} may change on resume: {restart}")
+
+
+@contextlib.contextmanager
+def run_lock(workdir: str):
+  """Holds ``workdir/.lock`` (an exclusive flock, released when the process ends, however it ends) while a run
+  trains there, so that a second command on the same run directory stops instead of interleaving its metrics and
+  checkpoints with the first's; the file is removed when the run ends (a killed run leaves it, unlocked).
+  Process 0 only: a cluster's processes share the directory by design."""
+  if jax.process_index() != 0:
+    yield
+    return
+  path = os.path.join(workdir, ".lock")
+  with _locked(path, workdir) as f:
+    f.truncate(0)
+    f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+    f.flush()
+    try:
+      yield
+    finally:
+      os.remove(path)  # still locked: a command that opened it before finds it gone and opens a new one
+      fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _locked(path: str, workdir: str):
+  """``path`` opened and exclusively locked, or a ValueError naming its holder. A file its holder removed
+  between this open and this lock is not the lock any more: opened again."""
+  while True:
+    f = open(path, "a+")
+    try:
+      fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+      f.seek(0)
+      holder = f.read().strip() or "another process"
+      f.close()
+      raise ValueError(f"{workdir} is being written by another command ({holder}): wait for it to end, or give "
+                       "another work directory") from e
+    try:
+      if os.path.samestat(os.fstat(f.fileno()), os.stat(path)):
+        return f
+    except FileNotFoundError:
+      pass
+    f.close()

@@ -1,0 +1,98 @@
+"""A run's evaluation and its ``metrics.jsonl``, and the stop on a non-finite loss."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+from experiments.sharding import put_batch
+from experiments.steps import TrainState, metric_sums
+
+
+def make_eval(model, task, mesh: Mesh):
+  """``evaluate(state) -> {eval_loss, eval_accuracy (, eval_bpc)}`` over the task's held-out batches."""
+  @jax.jit
+  def eval_sums(params, favor, batch):
+    return metric_sums(model.apply({"params": params, "favor": favor}, batch.tokens), batch)
+
+  data = mesh.shape["data"]
+  # Placed once: the held-out set never changes. A batch the data axis does not divide (a short last
+  # batch) runs replicated.
+  batches = [put_batch(b, mesh, len(b.tokens) % data == 0) for b in task.eval_batches]
+
+  def evaluate(state: TrainState) -> dict:
+    total = sum(np.asarray(eval_sums(state.params, state.favor, b), np.float64) for b in batches)
+    out = dict(eval_loss=total[0] / total[2], eval_accuracy=total[1] / total[2])
+    if task.metric == "eval_bpc":
+      out["eval_bpc"] = out["eval_loss"] / math.log(2)
+    return out
+
+  return evaluate
+
+
+class MetricsLog:
+  """``metrics.jsonl``: one JSON record per line; on resume, records after the restored step are dropped."""
+
+  def __init__(self, path: str, keep_through: int):
+    self.path, self.records, self.writer = path, [], None
+    if os.path.exists(path):
+      with open(path) as f:
+        for line in f:
+          try:
+            record = json.loads(line)
+          except json.JSONDecodeError:  # a line cut short by a kill
+            continue
+          if record["step"] <= keep_through:
+            self.records.append(record)
+    if jax.process_index() != 0:  # multi-host: every process computes the metrics, process 0 writes them
+      return
+    if keep_through > 0 and not any(r["kind"] == "eval" and r["step"] == 0 for r in self.records):
+      # The study reports from these records (best eval accuracy, curves): resumed without them, its numbers
+      # would be those of the steps after the checkpoint only.
+      raise ValueError(f"{path} lacks the records of the steps through {keep_through}, which the checkpoint "
+                       "holds (missing, or cut: no evaluation at step 0): restore it, or delete "
+                       f"{os.path.dirname(path)} to start the run over")
+    with open(path + ".tmp", "w") as f:  # replaced whole: the other processes may be reading it
+      f.writelines(json.dumps(r) + "\n" for r in self.records)
+    os.replace(path + ".tmp", path)
+    self.writer = _tensorboard(os.path.dirname(path))
+
+  def write(self, record: dict) -> None:
+    self.records.append(record)
+    if jax.process_index() != 0:
+      return
+    with open(self.path, "a") as f:
+      f.write(json.dumps(record) + "\n")
+    if self.writer is not None:
+      for k, v in record.items():
+        if k != "step" and isinstance(v, float):
+          self.writer.add_scalar(k, v, record["step"])
+
+
+def _tensorboard(logdir):
+  try:
+    from tensorboardX import SummaryWriter  # optional
+  except ImportError:
+    return None
+  return SummaryWriter(logdir)
+
+
+def raise_if_nonfinite(state: TrainState) -> None:
+  """FloatingPointError naming the first step whose loss was not finite, if any."""
+  bad = int(state.nonfinite_step)
+  if bad >= 0:
+    raise FloatingPointError(f"non-finite loss at step {bad}: stopping (lower train.lr, check the inputs, "
+                             "or use train.clip_norm > 0)")
+
+
+def checked_eval(metrics: dict, step: int) -> dict:
+  """``metrics`` of an evaluation, or FloatingPointError when its loss is not finite (the parameters are not)."""
+  if not math.isfinite(metrics["eval_loss"]):
+    raise FloatingPointError(f"non-finite eval loss at step {step}: the parameters are not finite; stopping "
+                             "(lower train.lr, check train.b1/b2, or use train.clip_norm > 0)")
+  return metrics

@@ -1,0 +1,68 @@
+"""Hedgehog's distillation loss: fitting a learned feature map to softmax's attention weights."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float
+
+from favor_jax import core
+
+
+def distillation_loss(
+    query: Float[Array, "... L H D"],
+    key: Float[Array, "... L H D"],
+    feature_map: Float[Array, "M D"] | Float[Array, "H M D"],
+    *,
+    kernel="hedgehog",
+    causal: bool = False,
+    key_mask: Bool[Array, "... L"] | None = None,
+    query_mask: Bool[Array, "... L"] | None = None,
+    rho: Float[Array, "... H"] | Float[Array, "... H D+1"] | None = None,
+) -> Float[Array, ""]:
+  """Hedgehog's distillation loss (Zhang et al. 2024): the cross-entropy of each row of the kernel's
+  attention weights against softmax's,
+
+      −mean over rows (batch, head, query) of Σ_j softmax_ij · log A_ij,
+      A = core.attention_weights(query, key, feature_map, kernel=kernel),
+
+  over the rows that see at least one key and whose query is not padding (``query_mask`` False: left out of
+  the mean and of a data-dependent kernel's statistic, whatever it holds). Both sides are taken in log
+  domain (softmax's too), so a teacher weight below float32's range still counts: where the student gives
+  a key weight exactly 0 and the teacher does not, the loss is +inf, as in float64. Non-finite inputs follow
+  the rule of every attention function: a non-finite query, or an unmasked non-finite key a row may see,
+  makes that row's cross-entropy NaN, and so the loss (its gradient then NaN too); a padded query or a
+  masked key is absent whatever it holds. ``query`` and ``key`` (a trained
+  softmax layer's, on real inputs: NNX ``layer.query(x)``, ``layer.key(x)``;
+  Linen ``apply(..., capture_intermediates=True)``) are held fixed: only
+  ``feature_map`` gets a gradient, so ``jax.grad`` with respect to it drives a
+  plain optax loop; the fitted map is then the hedgehog layer's ``feature_map``
+  parameter. The loss minus softmax's entropy is the mean KL divergence, ≥ 0,
+  0 when the weights match. log A is taken in log domain (a weight below float32's
+  range keeps its log), so the kernel's weights must be positive: kernels whose
+  weights can be 0 or negative (``relu``, ``trigonometric``) are refused. ``rho``: a
+  data-dependent kernel's statistic, as in :func:`core.attention_weights`.
+  """
+  if kernel == "softmax":
+    raise ValueError("kernel must be a feature map to fit to softmax, got 'softmax'")
+  record = core.get_kernel(kernel)
+  if isinstance(record, core.kernels.Kernel) and not record.positive_weights:
+    raise ValueError(f"kernel {record.name!r} has weights that can be 0 or negative, where the cross-entropy "
+                     "against softmax is infinite or undefined: distil a kernel with positive weights")
+  core.checks.check_key_mask(query_mask, query.shape, "query_mask")
+  query, key = jax.lax.stop_gradient(query), jax.lax.stop_gradient(key)
+  if query_mask is not None:  # a padded query's values (NaN included) reach neither the loss nor its gradient
+    query = jnp.where(query_mask[..., None, None], query, jnp.zeros((), query.dtype))
+  log_target = jax.lax.stop_gradient(
+      core.attention_weights(query, key, kernel="softmax", causal=causal, key_mask=key_mask, log=True))
+  log_weights = core.attention_weights(query, key, feature_map, kernel=kernel, causal=causal, key_mask=key_mask,
+                                       rho=rho, query_mask=query_mask, log=True)
+  rows = jnp.any(~jnp.isneginf(log_target), axis=-1)  # [..., H, L]: sees a key (a NaN row included: NaN loss)
+  if query_mask is not None:
+    rows = rows & jnp.expand_dims(query_mask, -2)
+  seen = rows[..., None] & ~jnp.isneginf(log_target)  # the keys a row weighs (NaN ones too)
+  # t·log A, with t = e^{log t} > 0 and log A = −inf (a key the student drops) giving −inf, not 0·(−inf).
+  dropped = seen & jnp.isneginf(log_weights) & ~jnp.isnan(log_target)
+  terms = jnp.exp(jnp.where(seen, log_target, 0.0)) * jnp.where(seen & ~dropped, log_weights, 0.0)
+  cross = -jnp.sum(jnp.where(dropped, -jnp.inf, jnp.where(seen, terms, 0.0)), axis=-1)
+  return jnp.sum(jnp.where(rows, cross, 0.0)) / jnp.maximum(jnp.sum(rows), 1)

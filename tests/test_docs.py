@@ -1,0 +1,120 @@
+"""The documentation builds with warnings as errors, lists every public name, and its code runs.
+
+- ``sphinx-build -W`` (in a subprocess, into a temporary directory): a renamed function, a broken
+  cross-reference or a docstring Sphinx cannot read fails the test, naming each warning.
+- Every name in the ``__all__`` of ``favor_jax.core``, ``favor_jax.core.kernels``, ``favor_jax.layers`` (and its
+  ``linen`` and ``nnx`` modules) and ``favor_jax.parallel`` is an object of the built API reference.
+- Every ```python block of docs/*.md runs, each in a fresh namespace (README.md's blocks: tests/test_readme.py;
+  a docs block identical to one of them is not run twice). A block that cannot run here (8 devices, a long
+  run) is marked on the line before its fence with ``<!-- no test: REASON -->``, shown in the page source.
+"""
+
+import importlib
+import pathlib
+import re
+import subprocess
+import sys
+import zlib
+
+import pytest
+
+from tests.test_readme import python_blocks, run_blocks
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs"
+PUBLIC = ("favor_jax.core", "favor_jax.core.kernels", "favor_jax.layers", "favor_jax.layers.linen",
+          "favor_jax.layers.nnx", "favor_jax.parallel")
+SKIP = re.compile(r"<!-- no test: (.+?) -->\n```python\n")
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+  """(return code, warnings, output directory) of a strict HTML build of docs/."""
+  out = tmp_path_factory.mktemp("docs_html")
+  run = subprocess.run([sys.executable, "-m", "sphinx", "-W", "--keep-going", "-q", "-b", "html", str(DOCS),
+                        str(out)], cwd=ROOT, capture_output=True, text=True, timeout=900)
+  return run.returncode, run.stderr, out
+
+
+def test_docs_build_with_warnings_as_errors(built):
+  code, warnings, _ = built
+  assert code == 0, f"sphinx-build -W failed:\n{warnings[-6000:]}"
+
+
+def inventory(path: pathlib.Path) -> set[str]:
+  """The object names of a Sphinx ``objects.inv`` (format 2: four header lines, then zlib-compressed lines
+  ``name domain:role priority uri display``)."""
+  data = path.read_bytes()
+  body = data.split(b"\n", 4)[4]
+  return {line.split(" ", 1)[0] for line in zlib.decompress(body).decode().splitlines() if line.strip()}
+
+
+def resolve(dotted: str):
+  """The object a dotted name names (its longest importable module prefix, then attributes); None if none."""
+  parts = dotted.split(".")
+  for cut in range(len(parts), 0, -1):
+    try:
+      obj = importlib.import_module(".".join(parts[:cut]))
+    except ImportError:
+      continue
+    try:
+      for attr in parts[cut:]:
+        obj = getattr(obj, attr)
+    except AttributeError:
+      return None
+    return obj
+  return None
+
+
+def test_api_reference_lists_every_public_name(built):
+  """Each public name is documented under its own module's path, or the same object under another public
+  module's (``favor_jax.core`` re-exports ``KERNELS`` and ``get_kernel`` of ``favor_jax.core.kernels``)."""
+  _, _, out = built
+  documented = inventory(out / "objects.inv")
+  objects = {id(obj) for name in documented if name.startswith("favor_jax.") and (obj := resolve(name)) is not None}
+  missing = [f"{module}.{name}" for module in PUBLIC for name in importlib.import_module(module).__all__
+             if f"{module}.{name}" not in documented
+             and id(getattr(importlib.import_module(module), name)) not in objects]
+  assert not missing, f"public names missing from docs/api/*.md: {missing}"
+
+
+def test_resolve_names_objects():
+  import favor_jax.core
+  assert resolve("favor_jax.core.favor_attention") is favor_jax.core.favor_attention
+  assert resolve("favor_jax.core.kernels.KERNELS") is favor_jax.core.KERNELS
+  assert resolve("favor_jax.core.no_such_name") is None
+
+
+def test_inventory_reads_names(tmp_path):
+  lines = b"favor_jax.core py:module 0 api/core.html#module-$ -\nfavor_jax.core.KERNELS py:data 1 api/core.html#$ -\n"
+  (tmp_path / "objects.inv").write_bytes(b"# Sphinx inventory version 2\n# Project: p\n# Version: \n"
+                                         b"# The remainder of this file is compressed using zlib.\n"
+                                         + zlib.compress(lines))
+  assert inventory(tmp_path / "objects.inv") == {"favor_jax.core", "favor_jax.core.KERNELS"}
+
+
+def docs_blocks():
+  """(page:line, code) of every ```python block of docs/*.md not marked ``no test`` and not a README block."""
+  readme = {code for _, code in python_blocks((ROOT / "README.md").read_text())}
+  blocks = []
+  for page in sorted(DOCS.rglob("*.md")):
+    if "_build" in page.parts:
+      continue
+    text = page.read_text()
+    skipped = {text.count("\n", 0, m.end()) + 1 for m in SKIP.finditer(text)}
+    blocks += [(f"{page.relative_to(ROOT)}:{line}", code) for line, code in python_blocks(text)
+               if line not in skipped and code not in readme]
+  return blocks
+
+
+def test_skip_marker_is_read():
+  text = "a\n<!-- no test: needs 8 devices -->\n```python\nx = 1\n```\n```python\ny = 2\n```\n"
+  assert {text.count("\n", 0, m.end()) + 1 for m in SKIP.finditer(text)} == {4}
+  assert [line for line, _ in python_blocks(text)] == [4, 7]
+
+
+def test_every_docs_python_block_runs():
+  blocks = docs_blocks()
+  assert len(blocks) >= 4, blocks  # flax layers (Linen, NNX, distillation), decoding
+  out = run_blocks(blocks)
+  assert out.returncode == 0, out.stderr[-4000:]
