@@ -38,6 +38,7 @@ class Estimator(NamedTuple):
   causal_method: str = "chunked"
   qk_dim: int | None = None  # q/k head dim (the first qk_dim of D; values keep D), None: D
   window: int = 0  # > 0: hybrid_attention with this exact window
+  gated: bool = False  # a forget gate per position and head (log_gate, issue 40), from the queries
 
 
 ESTIMATORS = {
@@ -49,6 +50,7 @@ ESTIMATORS = {
     "taylor_d16": Estimator("taylor", qk_dim=16),  # Based's shape: q/k head dim 16 (153 features), Dv = D
     "hybrid_w64": Estimator("positive", window=64),  # exact window of 64 + FAVOR+ beyond it
     "favor_pallas": Estimator("positive", causal_method="pallas"),  # the fused Pallas kernels (causal only)
+    "favor_gated": Estimator("positive", gated=True),  # FAVOR+ with a forget gate (causal only)
 }
 
 
@@ -59,7 +61,7 @@ def estimator(name: str) -> Estimator:
   return ESTIMATORS[name] if name in ESTIMATORS else Estimator(name)
 
 
-CAUSAL_ONLY = ("favor_scan", "favor_cumsum", "favor_pallas")
+CAUSAL_ONLY = ("favor_scan", "favor_cumsum", "favor_pallas", "favor_gated")
 CHUNKED = ("chunked", "pallas")  # causal methods that compute the masked product inside chunks
 CHECK_ROWS = 256  # query rows compared with the float32 exact reference
 
@@ -94,9 +96,13 @@ def _linear(e: Estimator, q, k, v, p, causal):
   proj = p if kern.needs_projection else None
   # Timing only: a causal model passes a statistic it keeps (e.g. a running average), not this one.
   rho = kern.compute_statistic(q, k) if kern.data_dependent and causal else None
+  # A gate that depends on the input, as a learned one does (FoX's σ(w·x + b), here w·x = q's first coordinate,
+  # b = 3: f ≈ 0.95), so that fwd+bwd includes its gradient.
+  gate = {"log_gate": jax.nn.log_sigmoid(q[..., 0].astype(jnp.float32) + 3.0)} if e.gated else {}
   if e.window:
-    return core.hybrid_attention(q, k, v, proj, window=e.window, kernel=kern, causal=causal, rho=rho)
-  return core.favor_attention(q, k, v, proj, kernel=kern, causal=causal, causal_method=e.causal_method, rho=rho)
+    return core.hybrid_attention(q, k, v, proj, window=e.window, kernel=kern, causal=causal, rho=rho, **gate)
+  return core.favor_attention(q, k, v, proj, kernel=kern, causal=causal, causal_method=e.causal_method, rho=rho,
+                              **gate)
 
 
 def flops(name, causal, b, length, h, d, m, on_gpu=False):

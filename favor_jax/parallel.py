@@ -23,11 +23,13 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
-from jaxtyping import Array, Bool, Float
+from jaxtyping import Array, Bool, Float, Int
 
 from favor_jax.core import bidirectional as bidirectional_lib
 from favor_jax.core import causal_xla, checks, inputs
 from favor_jax.core import features as features_lib
+from favor_jax.core import gates as gates_lib
+from favor_jax.core import hybrid as hybrid_lib
 from favor_jax.core import state as state_lib
 
 __all__ = ["sequence_parallel_attention", "communication_bytes"]
@@ -55,6 +57,8 @@ def sequence_parallel_attention(
     key_mask: Bool[Array, "... L"] | None = None,
     rho: Float[Array, "... H"] | Float[Array, "... H D+1"] | None = None,
     chunk_size: int = 64,
+    log_gate: Float[Array, "... L H"] | None = None,
+    segment_ids: Int[Array, "... L"] | None = None,
 ) -> Float[Array, "... L H Dv"]:
   """Computes :func:`~favor_jax.core.favor_attention` with the sequence split over a mesh axis.
 
@@ -131,6 +135,7 @@ def sequence_parallel_attention(
     one = jax.ShapeDtypeStruct(query.shape[:-3] + (1,) + query.shape[-2:], jnp.float32)
     jax.eval_shape(lambda q: kern.log_features(q, q, projection, **{kern.statistic: rho}), one)
   chunk_size = checks.check_chunk_size(chunk_size)
+  gates = gates_lib.prepare(log_gate, segment_ids, query, causal)
 
   rho_NH = features_lib.flat_rho(rho, query, kern)
   if batch_axis is not None and math.prod(query.shape[:-3]) % mesh.shape[batch_axis]:
@@ -143,10 +148,26 @@ def sequence_parallel_attention(
     hash(kern)
   except TypeError:  # e.g. a callable dataclass: a static argument must hash (compiled per call instead)
     kern = _ByIdentity(kern)
-  sharded = functools.partial(_sharded, mesh=mesh, axis_name=axis_name, specs=specs, kern=kern,
-                              causal=bool(causal), chunk_size=chunk_size)
-  return inputs.over_batch(lambda q, k, v, mask: (sharded(q, k, v, mask, projection, rho_NH), None),
-                           query, key, value, key_mask)[0]
+  run = functools.partial(_sharded, projection=projection, rho_NH=rho_NH, mesh=mesh, axis_name=axis_name,
+                          specs=specs, kern=kern, chunk_size=chunk_size)
+
+  def flat(q, k, v, mask):
+    if gates is None:
+      return run(q, k, v, mask, None, causal=bool(causal)), None
+    if causal:
+      return run(q, k, v, mask, gates.log, causal=True), None
+    # Keys j ≤ t with a reset at each segment start, keys j > t over the reversed sequence (delayed by one).
+    forward = jnp.broadcast_to(jnp.where(gates.start, -jnp.inf, 0.0)[..., None], q.shape[:3])
+    back = jnp.broadcast_to(hybrid_lib.reverse_gate(gates.start), q.shape[:3])
+    rev = lambda x: jnp.flip(x, axis=1)
+    shift = lambda x, fill=0: hybrid_lib._delayed(rev(x), 1, fill)
+    parts = (run(q, k, v, mask, forward, causal=True, terms=True),
+             tuple(map(rev, run(rev(q), shift(k), shift(v), shift(mask, False), back, causal=True, terms=True,
+                                key_offset=back))))
+    bad = inputs.split_nonfinite(q, k, v, mask, causal=False, gates=gates)[3]
+    return inputs.poison(state_lib.divide(*hybrid_lib.merge(*parts)), bad), None
+
+  return inputs.over_batch(flat, query, key, value, key_mask)[0]
 
 
 class _ByIdentity:
@@ -156,39 +177,54 @@ class _ByIdentity:
     self.kern = kern
 
 
-@functools.partial(jax.jit, static_argnames=("mesh", "axis_name", "specs", "kern", "causal", "chunk_size"))
-def _sharded(q, k, v, mask, projection, rho_NH, *, mesh, axis_name, specs, kern, causal, chunk_size):
+@functools.partial(jax.jit, static_argnames=("mesh", "axis_name", "specs", "kern", "causal", "chunk_size", "terms"))
+def _sharded(q, k, v, mask, gate, projection, rho_NH, *, mesh, axis_name, specs, kern, causal, chunk_size,
+             terms=False, key_offset=None):
   """The per-device computation under ``shard_map``, the padding of L to a multiple of the axis size and its
   removal around it; compiled (once per shape and static choice) even when the caller is eager: ``shard_map``
-  executed op by op is far slower, and the padding's transpose on an explicit mesh needs the compiler."""
+  executed op by op is far slower, and the padding's transpose on an explicit mesh needs the compiler.
+  ``gate`` [N, L, H] (causal; None: none) and ``key_offset`` as in ``causal_xla.chunked``; ``terms``: return
+  (num, den, log-scale) for a merge (non-finite inputs not marked: the caller's other pass is their rule)."""
   kern = kern.kern if isinstance(kern, _ByIdentity) else kern
   length = q.shape[1]
   padded = -(-length // mesh.shape[axis_name]) * mesh.shape[axis_name]
   q, k, v = (inputs.pad_to(x, padded) for x in (q, k, v))
   mask = inputs.pad_to(mask, padded, False)
-  args = (q, k, v, mask, projection, rho_NH)
+  gated = gate is not None
+  gate, key_offset = (None if x is None else inputs.pad_to(x, padded) for x in (gate, key_offset))
+  args = (q, k, v, mask, projection, rho_NH, gate, key_offset)
+  specs = specs + (specs[0],) * 2
   explicit = jax.sharding.AxisType.Explicit in mesh.axis_types
   if explicit:  # explicit meshes want inputs laid out as the specs say
     args = [None if x is None else jax.reshard(x, NamedSharding(mesh, spec)) for x, spec in zip(args, specs)]
 
-  def local(q, k, v, mask, projection, rho_NH):
+  def local(q, k, v, mask, projection, rho_NH, gate, key_offset):
     # Row-local feature stabilisation only: a max over "all positions" would differ per device.
     features = features_lib.of_kernel(kern, projection, rho_NH, causal=True)
+    gates = gates_lib.Gates(gate, None, None) if gated else None
 
     def algorithm(q, k, v, mask, _):
       v = v.astype(jnp.float32)
+      if gated:
+        a, summary = gates_lib.key_state(features, k, v, mask, gate, key_offset)
+        prefix = gates_lib.exclusive_prefix(a, summary, axis_name)
+        return causal_xla.chunked(features, q, k, v, mask, chunk_size=chunk_size, state=prefix, gate=gate,
+                                  key_offset=key_offset, return_scale=terms, divide=not terms), None
       if causal:
         prefix = causal_xla.exclusive_prefix(state_lib.key_state(features, k, v, mask), axis_name)
         return causal_xla.chunked(features, q, k, v, mask, chunk_size=chunk_size, state=prefix, divide=True), None
       return bidirectional_lib.bidirectional(features, q, k, v, mask, axis_name=axis_name, divide=True), None
 
-    return inputs.without_nonfinite(algorithm, q, k, v, mask, causal=causal, axis_name=axis_name)[0]
+    if terms:  # inputs zeroed, rows not marked (see above)
+      q, k, v, _, _ = inputs.split_nonfinite(q, k, v, mask, causal=True, axis_name=axis_name, gates=gates)
+      return algorithm(q, k, v, mask, None)[0]
+    return inputs.without_nonfinite(algorithm, q, k, v, mask, causal=causal, axis_name=axis_name, gates=gates)[0]
 
-  out = jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=specs[0])(*args)
+  out = jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=(specs[0],) * 3 if terms else specs[0])(*args)
   if padded != length:
     if explicit:  # an explicit sharding cannot describe a length the axis does not divide: the batch's stays
-      out = jax.reshard(out, NamedSharding(mesh, P(specs[0][0])))  # specs[0]: P(batch axis, sequence axis)
-    out = out[:, :length]
+      out = jax.tree.map(lambda x: jax.reshard(x, NamedSharding(mesh, P(specs[0][0]))), out)  # P(batch, sequence)
+    out = jax.tree.map(lambda x: x[:, :length], out)
   return out
 
 

@@ -34,12 +34,12 @@ exact local window to any of them (Scatterbrain, Chen et al. 2021).
 from favor_jax.core import kernels
 from favor_jax.core.attention import (
     favor_attention,
-    favor_decode_init,
-    favor_decode_step,
     hybrid_attention,
     linear_attention,
     softmax_attention,
 )
+from favor_jax.core.decode import favor_decode_init, favor_decode_step
+from favor_jax.core.gates import alibi_log_gate, alibi_slopes
 from favor_jax.core.hybrid import HybridState
 from favor_jax.core.kernels import KERNELS, get_kernel, oprf_rho, saderf_statistic
 from favor_jax.core.projections import (
@@ -54,6 +54,8 @@ from favor_jax.core.state import RecurrentState
 from favor_jax.core.weights import attention_weights
 
 __all__ = [
+    "alibi_log_gate",
+    "alibi_slopes",
     "attention_weights",
     "HybridState",
     "hybrid_attention",

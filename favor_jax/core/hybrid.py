@@ -25,6 +25,7 @@ import jax.numpy as jnp
 from jaxtyping import Array
 
 from favor_jax.core import causal_xla, inputs
+from favor_jax.core import gates as gates_lib
 from favor_jax.core import state as state_lib
 from favor_jax.core.features import head_major
 
@@ -49,6 +50,8 @@ class HybridState(NamedTuple):
   valid: Array  # bool [N, W]: the slot holds an unmasked key
   position: Array  # int32 []: tokens seen so far
   recurrent: state_lib.RecurrentState  # the keys that left the window
+  decay: Array  # [N, W, H]: Σ of the log gates since each slot's key came (0 without gates; −∞ after a reset)
+  segment: Array  # int32 [N]: the last segment id (see favor_decode_step)
 
 
 def merge(*terms):
@@ -69,11 +72,12 @@ def _exact(logits, allowed, v, spec):
   return jnp.einsum(spec, weights, v), jnp.sum(weights, axis=-1), peak
 
 
-def local(q, k, v, mask, window: int, causal: bool):
+def local(q, k, v, mask, window: int, causal: bool, gate=None, segment=None):
   """The exact part: keys with t − w < j ≤ t (causal) or |t − j| < w, unmasked.
 
   q, k [N, L, H, D] (float32), v [N, L, H, Dv], mask [N, L]. Returns num [N, L, H, Dv],
-  den and log-scale [N, L, H].
+  den and log-scale [N, L, H]. ``gate`` [N, L, H]: the logits get the decay Σ_{j<l≤t} g_l (causal);
+  ``segment`` [N, L]: only keys of the query's segment (``gates.segment_index``).
   """
   n, length, h, d = q.shape
   c = min(max(window, LOCAL_BLOCK), length)
@@ -95,6 +99,11 @@ def local(q, k, v, mask, window: int, causal: bool):
   band = ((gap >= 0) & (gap < window)) if causal else (jnp.abs(gap) < window)
   allowed = (band & m_ctx[:, :, None, :])[:, :, None]  # [N, nb, 1, C, ctx]
   logits = jnp.einsum("nbihd,nbjhd->nbhij", q_NbCHD, k_ctx) / math.sqrt(d)
+  if gate is not None:  # the decay from each context key to each query of the block (its last C positions)
+    logits = logits + gates_lib.segsum(jnp.moveaxis(context(blocks(gate), 0), 3, 2))[..., c:, :]
+  if segment is not None:
+    s_ctx = context(blocks(segment, -1), -1)
+    allowed = allowed & (blocks(segment, -1)[:, :, :, None] == s_ctx[:, :, None, :])[:, :, None]
   num, den, scale = _exact(logits, allowed, v_ctx, "nbhij,nbjhe->nbihe")
   to_rows = lambda x: x.reshape((n, nb * c) + x.shape[3:])[:, :length]
   swap = lambda x: to_rows(jnp.swapaxes(x, 2, 3))  # [N, nb, H, C] -> [N, L, H]
@@ -108,24 +117,50 @@ def _delayed(x, window, fill=0):
   return jnp.concatenate([head, x[:, :max(length - window, 0)]], axis=1)
 
 
-def distant(features, q, k, v, mask, window: int, causal: bool, chunk_size: int):
-  """The kernel part: keys with j ≤ t − w (and j ≥ t + w unless causal); (num, den, log-scale)."""
-  def before(q, k, v, mask):
-    delay = lambda x, fill=0: _delayed(x, window, fill)
-    return causal_xla.chunked(features, q, delay(k), delay(v), delay(mask, False), chunk_size=chunk_size,
-                              return_scale=True)
+def side(features, q, k, v, mask, delay: int, chunk_size: int, gate=None):
+  """Keys j ≤ t − ``delay`` by the chunked pass over the keys delayed by ``delay``: (num, den, log-scale).
 
-  terms = [before(q, k, v, mask)]
+  ``gate`` [N, L, H]: pair (t, j) decays by Σ_{j<l≤t} g_l: the slots keep the gates, and the key in slot u
+  (key u − delay) carries in Σ_{u−delay<l≤u} g_l (a window sum, no difference of running sums).
+  """
+  shift = lambda x, fill=0: _delayed(x, delay, fill) if delay else x
+  extra = {}
+  if gate is not None:
+    carried = jax.lax.reduce_window(gate, 0.0, jax.lax.add, (1, delay, 1), (1, 1, 1),
+                                    [(0, 0), (delay - 1, 0), (0, 0)]) if delay else None
+    extra = dict(gate=gate, key_offset=carried)
+  return causal_xla.chunked(features, q, shift(k), shift(v), shift(mask, False), chunk_size=chunk_size,
+                            return_scale=True, **extra)
+
+
+def reverse_gate(start):
+  """start [N, L] segment starts -> the gate [N, L, 1] of the reversed sequence: −∞ after each segment's last
+  position (pair (t, i ≥ t) of the original crosses a start in (t, i])."""
+  ends = jnp.concatenate([start[:, 1:], jnp.zeros_like(start[:, :1])], axis=1)
+  return jnp.flip(jnp.where(ends, -jnp.inf, 0.0), axis=1)[..., None]
+
+
+def distant(features, q, k, v, mask, window: int, causal: bool, chunk_size: int, gate=None, start=None):
+  """The kernel part: keys with j ≤ t − w (and j ≥ t + w unless causal); (num, den, log-scale). ``gate``
+  [N, L, H] (causal) or ``start`` [N, L] (segment starts, not causal) as in :func:`side`."""
+  if not causal and start is not None:
+    gate = jnp.broadcast_to(jnp.where(start, -jnp.inf, 0.0)[..., None], q.shape[:3])
+  terms = [side(features, q, k, v, mask, window, chunk_size, gate)]
   if not causal:
-    rev = lambda x: jnp.flip(x, axis=1)
-    terms.append(tuple(map(rev, before(rev(q), rev(k), rev(v), rev(mask)))))
+    rev = lambda x: None if x is None else jnp.flip(x, axis=1)
+    back = None if start is None else jnp.broadcast_to(reverse_gate(start), q.shape[:3])
+    terms.append(tuple(map(rev, side(features, *map(rev, (q, k, v, mask)), window, chunk_size, back))))
   return merge(*terms) + (jnp.max(jnp.stack([s for _, _, s in terms]), axis=0),)
 
 
-def hybrid(features, q, k, v, mask, window: int, causal: bool, chunk_size: int):
-  """(num, den) of hybrid attention on one common per-row scale (inputs as in ``local``)."""
-  return merge(local(q, k, v, mask, window, causal), distant(features, q, k, v, mask, window, causal,
-                                                               chunk_size))
+def hybrid(features, q, k, v, mask, window: int, causal: bool, chunk_size: int, gates=None):
+  """(num, den) of hybrid attention on one common per-row scale (inputs as in ``local``; ``gates`` a
+  ``gates.Gates``)."""
+  gate = None if gates is None else gates.log
+  start = None if gates is None or causal else gates.start
+  segment = None if start is None else gates_lib.segment_index(start)
+  return merge(local(q, k, v, mask, window, causal, gate, segment),
+               distant(features, q, k, v, mask, window, causal, chunk_size, gate, start))
 
 
 def initial_state(features, q, v, window: int) -> HybridState:
@@ -133,27 +168,34 @@ def initial_state(features, q, v, window: int) -> HybridState:
   return HybridState(jnp.zeros((n, window, h, d), jnp.float32),
                      jnp.zeros((n, window, h, v.shape[-1]), jnp.float32),
                      jnp.zeros((n, window), bool), jnp.zeros((), jnp.int32),
-                     state_lib.initial_state(features, q, q, v))
+                     state_lib.initial_state(features, q, q, v), jnp.zeros((n, window, h), jnp.float32),
+                     jnp.zeros((n,), jnp.int32))
 
 
-def step(features, state: HybridState, q, k, v, mask):
+def step(features, state: HybridState, q, k, v, mask, gate=None):
   """Tokens one at a time: the key leaving the window joins the features, the new one the buffer.
 
-  q, k [N, l, H, D], v [N, l, H, Dv] (finite), mask [N, l]. Returns (state, num, den) on a common scale.
+  q, k [N, l, H, D], v [N, l, H, Dv] (finite), mask [N, l], ``gate`` [N, l, H] log forget gates (None: 0):
+  each step the features' state and every slot's decay grow by g_t, and the key leaving the window joins
+  the state with its slot's decay. Returns (state, num, den) on a common scale.
   """
+  gate = jnp.zeros(q.shape[:3], jnp.float32) if gate is None else gate
   window = state.keys.shape[1]
   d = q.shape[-1]
 
   def one(state, x):
-    q_t, k_t, v_t, m_t = x
+    q_t, k_t, v_t, m_t, g_t = x
     slot = state.position % window
     old = lambda a: jax.lax.dynamic_index_in_dim(a, slot, axis=1, keepdims=True)
+    decay = state.decay + g_t[:, None]
     fk_old = head_major(features, old(state.keys)[:, :0], old(state.keys))[1]
-    recurrent = state_lib.add_keys(state.recurrent, fk_old, old(state.values), old(state.valid))
+    fk_old = gates_lib.offset(fk_old, jnp.swapaxes(old(decay), 1, 2))  # [N, H, 1]
+    past = state.recurrent._replace(mu=jax.lax.stop_gradient(state.recurrent.mu) + g_t[..., None])
+    recurrent = state_lib.add_keys(past, fk_old, old(state.values), old(state.valid))
     put = lambda a, x: jax.lax.dynamic_update_index_in_dim(a, x.astype(a.dtype), slot, axis=1)
     state = HybridState(put(state.keys, k_t), put(state.values, v_t), put(state.valid, m_t),
-                        state.position + 1, recurrent)
-    logits = jnp.einsum("nhd,nwhd->nhw", q_t, state.keys) / math.sqrt(d)
+                        state.position + 1, recurrent, put(decay, jnp.zeros_like(g_t)), state.segment)
+    logits = jnp.einsum("nhd,nwhd->nhw", q_t, state.keys) / math.sqrt(d) + jnp.swapaxes(state.decay, 1, 2)
     exact = _exact(logits, state.valid[:, None, :], state.values, "nhw,nwhe->nhe")
     fq = head_major(features, q_t[:, None], k_t[:, None])[0]
     y, scale = state_lib.read_out(fq, recurrent, with_scale=True)
@@ -161,5 +203,15 @@ def step(features, state: HybridState, q, k, v, mask):
     return state, (num, den)
 
   t_major = lambda x: jnp.moveaxis(x, 1, 0)
-  state, (num, den) = jax.lax.scan(one, state, tuple(map(t_major, (q, k, v, mask))))
+  state, (num, den) = jax.lax.scan(one, state, tuple(map(t_major, (q, k, v, mask, gate))))
   return state, jnp.moveaxis(num, 0, 1), jnp.moveaxis(den, 0, 1)
+
+
+def segmented(features, q, k, v, mask, start, chunk_size: int):
+  """Bidirectional attention within segments (start [N, L]): keys j ≤ t by the causal pass with a reset at
+  each segment start, keys j > t by the reversed one with a reset after each segment's end; (num, den)."""
+  forward = jnp.broadcast_to(jnp.where(start, -jnp.inf, 0.0)[..., None], q.shape[:3])
+  rev = lambda x: jnp.flip(x, axis=1)
+  back = jnp.broadcast_to(reverse_gate(start), q.shape[:3])
+  return merge(side(features, q, k, v, mask, 0, chunk_size, forward),
+               tuple(map(rev, side(features, *map(rev, (q, k, v, mask)), 1, chunk_size, back))))

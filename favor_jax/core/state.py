@@ -46,7 +46,7 @@ def rescaled_sum(a, b):
   """Monoid on (log-scale m, state S): (m₁, S₁) ⊕ (m₂, S₂) = (m, S₁e^{m₁−m} + S₂e^{m₂−m}), m = max."""
   m1, s1 = a
   m2, s2 = b
-  m = jnp.maximum(m1, m2)
+  m = jax.lax.stop_gradient(jnp.maximum(m1, m2))  # a constant under grad (a gate's gradient flows through S)
   safe = finite_or_zero(m)
   return m, s1 * jnp.exp(m1 - safe)[..., None] + s2 * jnp.exp(m2 - safe)[..., None]
 
@@ -95,6 +95,7 @@ class RecurrentState(NamedTuple):
   """
   mu: Array  # [N, H, Fm]
   s: Array  # [N, H, F, Dv+1]
+  segment: Array | None = None  # int32 [N]: a decode state's last segment id (favor_decode_init); None inside
 
 
 def initial_state(features: features_lib.Features, q, k, v) -> RecurrentState:
@@ -128,7 +129,7 @@ def add_keys(state: RecurrentState, fk, v, mask) -> RecurrentState:
   mu_NHF = jax.lax.stop_gradient(jnp.max(log_k, axis=2))
   k_hat = exp_times(log_k, finite_or_zero(mu_NHF)[:, :, None], mult_k)
   v1_NHlE = with_ones(jnp.swapaxes(v, 1, 2))
-  return RecurrentState(*rescaled_sum(state, (mu_NHF, jnp.einsum("nhlf,nhle->nhfe", k_hat, v1_NHlE))))
+  return RecurrentState(*rescaled_sum((state.mu, state.s), (mu_NHF, jnp.einsum("nhlf,nhle->nhfe", k_hat, v1_NHlE))))
 
 
 def key_state(features: features_lib.Features, k, v, mask, block: int | None = None) -> RecurrentState:

@@ -11,10 +11,11 @@ import math
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Bool, Float
+from jaxtyping import Array, Bool, Float, Int
 
 from favor_jax.core import checks, inputs
 from favor_jax.core import features as features_lib
+from favor_jax.core import gates as gates_lib
 from favor_jax.core import kernels as kernels_lib
 from favor_jax.core import state as state_lib
 
@@ -60,6 +61,8 @@ def attention_weights(
     rho: Float[Array, "... H"] | Float[Array, "... H D+1"] | None = None,
     query_mask: Bool[Array, "... Lq"] | None = None,
     log: bool = False,
+    log_gate: Float[Array, "... L H"] | None = None,
+    segment_ids: Int[Array, "... L"] | None = None,
 ) -> Float[Array, "... H Lq Lk"]:
   """Computes the normalised weights A [..., H, Lq, Lk] with out = A v, as the attention functions do.
 
@@ -69,6 +72,10 @@ def attention_weights(
   over the keys they may see (j ≤ t if ``causal``, unmasked); a row that sees none is 0. Computed in log
   domain, so a weight is as exact as float32 holds it however far apart its row's terms are (one below
   float32's range is 0; ``log=True`` keeps its log). Quadratic in L: for analysis, not a forward pass.
+
+  ``log_gate`` and ``segment_ids``: every weight
+  (exact or the kernel's) gets the bias of :func:`softmax_attention` (Σ_{j<l≤t} log f_l; −∞ across
+  segments); a bad log gate counts as a non-finite key.
 
   Args:
     query: queries, shape [..., Lq, H, D].
@@ -99,8 +106,10 @@ def attention_weights(
   checks.check_key_mask(key_mask, key.shape)
   checks.check_key_mask(query_mask, query.shape, "query_mask")
   window = checks.check_window(window)
-  if causal or window:
-    checks.check_causal_lengths(query, key, "causal attention" if causal else "a window (positions t − j)")
+  if causal or window or segment_ids is not None:
+    checks.check_causal_lengths(query, key, "causal attention" if causal else (
+        "a window (positions t − j)" if window else "segment_ids (positions)"))
+  gates = gates_lib.prepare(log_gate, segment_ids, query, causal)
   batch = query.shape[:-3]
   mask = inputs.mask_NL(key_mask, key)
   q, k = (inputs.flatten(x, batch).astype(jnp.float32) for x in (query, key))
@@ -109,7 +118,7 @@ def attention_weights(
   # have no value, so an empty one.
   softmax = isinstance(kernel, str) and kernel == "softmax"
   q, k, _, bad, _ = inputs.split_nonfinite(q, k, jnp.zeros(k.shape[:-1] + (0,), k.dtype), mask, causal=causal,
-                                           in_range=not softmax)
+                                           in_range=not softmax, gates=gates)
   lq, lk = q.shape[1], k.shape[1]
   gap = jnp.arange(lq)[:, None] - jnp.arange(lk)[None, :]
   allowed = mask[:, None, None, :] & ((gap >= 0) if causal else True)  # [N, 1, Lq, Lk]
@@ -130,7 +139,7 @@ def attention_weights(
     if window:
       near = (jnp.abs(gap) < window) & ((gap >= 0) if causal else True)
       log_w, sign = jnp.where(near, exact, log_w), jnp.where(near, 1.0, sign)
-  log_w = jnp.where(allowed, log_w, -jnp.inf)
+  log_w = jnp.where(allowed, gates_lib.biased(log_w, gates, causal), -jnp.inf)
   if log:
     total = jax.nn.logsumexp(log_w, axis=-1, keepdims=True)
     out = jnp.where(jnp.isfinite(total), log_w - state_lib.finite_or_zero(total), -jnp.inf)
