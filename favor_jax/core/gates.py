@@ -41,8 +41,18 @@ def alibi_slopes(num_heads: int) -> np.ndarray:
   below H, then every other slope of the next power of two (the paper's code).
   As a forget gate: ``log_gate = −m_h`` at every position (:func:`alibi_log_gate`).
 
+  Args:
+    num_heads: H, the number of heads.
+
+  Returns:
+    The slopes m_h > 0, float32 [H], steepest first.
+
   Raises:
     ValueError: ``num_heads`` is not a positive int.
+
+  References:
+    Press et al. 2022, "Train Short, Test Long: Attention with Linear Biases Enables Input Length
+    Extrapolation" (ICLR).
   """
   if isinstance(num_heads, bool) or not isinstance(num_heads, (int, np.integer)) or num_heads <= 0:
     raise ValueError(f"num_heads must be a positive int, got {num_heads!r}")
@@ -61,8 +71,19 @@ def alibi_log_gate(num_heads: int, length: int) -> np.ndarray:
   """ALiBi as a constant forget gate: log f = −m_h at every position, float32 [length, H] (broadcasts over
   the batch as ``log_gate``).
 
+  Args:
+    num_heads: H, the number of heads.
+    length: L, the number of positions.
+
+  Returns:
+    −m_h at every position, float32 [L, H]: pass it as ``log_gate=`` with ``causal=True``.
+
   Raises:
     ValueError: ``num_heads`` or ``length`` is not a positive int.
+
+  References:
+    Press et al. 2022, "Train Short, Test Long: Attention with Linear Biases Enables Input Length
+    Extrapolation" (ICLR).
   """
   if isinstance(length, bool) or not isinstance(length, (int, np.integer)) or length <= 0:
     raise ValueError(f"length must be a positive int, got {length!r}")
