@@ -35,13 +35,15 @@ H, D, L = 2, 16, 32  # the tiny config's heads, head dim and length
 
 @pytest.mark.parametrize("config, want", [
     (tiny(), L * H * 2 * D),  # softmax: the key-value cache at length L
-    (favor("positive", num_features=16), H * 16 * (D + 1) + H * 16),  # S [H, F, Dv+1] and μ [H, F]
-    (favor("hyperbolic", num_features=16), H * 32 * (D + 1) + H * 32),  # F = 2M
-    (favor("positive", num_features=16, window=5), H * 16 * (D + 1) + H * 16 + 5 * H * 2 * D + 5 + 1),
-    (favor("taylor", qk_head_dim=4), H * 15 * (D + 1) + H),  # F = 1 + 4 + 10; one maximum per head
+    # S [H, F, Dv+1], μ [H, F] and the last segment id (one int: decoding resets at a new document)
+    (favor("positive", num_features=16), H * 16 * (D + 1) + H * 16 + 1),
+    (favor("hyperbolic", num_features=16), H * 32 * (D + 1) + H * 32 + 1),  # F = 2M
+    # + the window's keys and values, their mask and count, and each slot's accumulated log gate [W, H]
+    (favor("positive", num_features=16, window=5), H * 16 * (D + 1) + H * 16 + 5 * H * 2 * D + 5 + 1 + 5 * H + 1),
+    (favor("taylor", qk_head_dim=4), H * 15 * (D + 1) + H + 1),  # F = 1 + 4 + 10; one maximum per head
     (tiny(**{"model.short_conv": 4}), 3 * H * D + L * H * 2 * D),  # + the last 3 inputs of width d_model
     (common.set_fields(favor("positive", num_features=16), {"model.short_conv": 3}),
-     2 * H * D + H * 16 * (D + 1) + H * 16),
+     2 * H * D + H * 16 * (D + 1) + H * 16 + 1),
 ])
 def test_decode_state_size_closed_forms(config, want):
   assert models.decode_state_size(config, L) == want
