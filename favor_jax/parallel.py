@@ -96,12 +96,9 @@ def sequence_parallel_attention(
       ``optimal_positive``, [..., H, D+1] for FAVOR# ``saderf``); required for
       them, since computing it would be one more collective over the sequence.
     chunk_size: C, the chunk length of the local causal pass.
-    log_gate: optional float [..., L, H]: the log of a forget gate f ∈ (0, 1] per position and head (≤ 0;
-      −inf resets), causal only: key j's weight for query t is multiplied by exp(Σ_{j<l≤t} log f_l)
-      (Forgetting Transformer; ALiBi: :func:`~favor_jax.core.alibi_log_gate`). A NaN, +inf or positive
-      entry makes the rows that may see it NaN.
-    segment_ids: optional int [..., L]: packed documents; a segment is a run of equal consecutive ids, and
-      no query attends across a segment boundary.
+    log_gate: optional float [..., L, H], the log of a forget gate per position and head, causal
+      only, as in :func:`~favor_jax.core.favor_attention`.
+    segment_ids: optional int [..., L], packed documents, as in :func:`~favor_jax.core.favor_attention`.
 
   Returns:
     The attention output, shape [..., L, H, Dv], in the inputs' dtype; sharded

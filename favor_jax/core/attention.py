@@ -50,12 +50,9 @@ def softmax_attention(
     value: values, shape [..., Lk, H, Dv].
     causal: whether query t sees only keys j ≤ t (needs Lq = Lk).
     key_mask: optional bool [..., Lk] (broadcastable); False leaves a key out.
-    log_gate: optional float [..., L, H]: the log of a forget gate f ∈ (0, 1] per position and head (≤ 0;
-      −inf resets), causal only: key j's weight for query t is multiplied by exp(Σ_{j<l≤t} log f_l)
-      (Forgetting Transformer; ALiBi: :func:`~favor_jax.core.alibi_log_gate`). A NaN, +inf or positive
-      entry makes the rows that may see it NaN.
-    segment_ids: optional int [..., L]: packed documents; a segment is a run of equal consecutive ids, and
-      no query attends across a segment boundary.
+    log_gate: optional float [..., L, H], the log of a forget gate per position and head, causal
+      only, as in :func:`~favor_jax.core.favor_attention`.
+    segment_ids: optional int [..., L], packed documents, as in :func:`~favor_jax.core.favor_attention`.
 
   Returns:
     The output, shape [..., Lq, H, Dv], in the inputs' dtype; 0 in a row that can see no key (all masked).
@@ -130,12 +127,9 @@ def linear_attention(
     key_mask: optional bool [..., Lk] (broadcastable); False leaves a key out.
     causal_method: the causal pass, as in :func:`favor_attention`.
     chunk_size: C, the chunk length of the causal pass (checked, unused when not causal).
-    log_gate: optional float [..., L, H]: the log of a forget gate f ∈ (0, 1] per position and head (≤ 0;
-      −inf resets), causal only: key j's weight for query t is multiplied by exp(Σ_{j<l≤t} log f_l)
-      (Forgetting Transformer; ALiBi: :func:`~favor_jax.core.alibi_log_gate`). A NaN, +inf or positive
-      entry makes the rows that may see it NaN.
-    segment_ids: optional int [..., L]: packed documents; a segment is a run of equal consecutive ids, and
-      no query attends across a segment boundary.
+    log_gate: optional float [..., L, H], the log of a forget gate per position and head, causal
+      only, as in :func:`~favor_jax.core.favor_attention`.
+    segment_ids: optional int [..., L], packed documents, as in :func:`~favor_jax.core.favor_attention`.
 
   Returns:
     The output, shape [..., Lq, H, Dv], in the inputs' dtype.
@@ -278,12 +272,9 @@ def hybrid_attention(
     rho: a data-dependent kernel's statistic, as in :func:`favor_attention`.
     chunk_size: C, the chunk length of the causal pass.
     query_mask: optional bool [..., Lq], as in :func:`favor_attention`.
-    log_gate: optional float [..., L, H]: the log of a forget gate f ∈ (0, 1] per position and head (≤ 0;
-      −inf resets), causal only: key j's weight for query t is multiplied by exp(Σ_{j<l≤t} log f_l)
-      (Forgetting Transformer; ALiBi: :func:`~favor_jax.core.alibi_log_gate`). A NaN, +inf or positive
-      entry makes the rows that may see it NaN.
-    segment_ids: optional int [..., L]: packed documents; a segment is a run of equal consecutive ids, and
-      no query attends across a segment boundary.
+    log_gate: optional float [..., L, H], the log of a forget gate per position and head, causal
+      only, as in :func:`~favor_jax.core.favor_attention`.
+    segment_ids: optional int [..., L], packed documents, as in :func:`~favor_jax.core.favor_attention`.
 
   Returns:
     The output, shape [..., Lq, H, Dv], in the inputs' dtype.

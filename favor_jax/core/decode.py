@@ -134,12 +134,9 @@ def favor_decode_step(
     rho: a data-dependent kernel's statistic (required: decoding is causal), as in :func:`favor_attention`.
     chunk_size: C, the chunk length for a step of l > 1 tokens.
     window: W, the window the state was made with.
-    log_gate: optional float [..., l, H]: the log of a forget gate f ∈ (0, 1] per position and head (≤ 0;
-      −inf resets), causal only: key j's weight for query t is multiplied by exp(Σ_{j<l≤t} log f_l)
-      (Forgetting Transformer; ALiBi: :func:`~favor_jax.core.alibi_log_gate`). A NaN, +inf or positive
-      entry makes the rows that may see it NaN.
-    segment_ids: optional int [..., l]: packed documents; a segment is a run of equal consecutive ids, and
-      no query attends across a segment boundary.
+    log_gate: optional float [..., l, H], the log of a forget gate per position and head, causal
+      only, as in :func:`~favor_jax.core.favor_attention`.
+    segment_ids: optional int [..., l], packed documents, as in :func:`~favor_jax.core.favor_attention`.
       A new id resets the state (the state records the last id): pass ids on every step or on none.
 
   Returns:

@@ -89,12 +89,9 @@ def attention_weights(
     query_mask: optional bool [..., Lq], the queries a data-dependent kernel's statistic averages over.
     log: return log A, normalised in log domain (−inf where A is 0), for weights that are never negative
       (a kernel whose record says ``positive_weights``; a row with a negative weight is NaN).
-    log_gate: optional float [..., L, H]: the log of a forget gate f ∈ (0, 1] per position and head (≤ 0;
-      −inf resets), causal only: key j's weight for query t is multiplied by exp(Σ_{j<l≤t} log f_l)
-      (Forgetting Transformer; ALiBi: :func:`~favor_jax.core.alibi_log_gate`). A NaN, +inf or positive
-      entry makes the rows that may see it NaN.
-    segment_ids: optional int [..., L]: packed documents; a segment is a run of equal consecutive ids, and
-      no query attends across a segment boundary.
+    log_gate: optional float [..., L, H], the log of a forget gate per position and head, causal
+      only, as in :func:`~favor_jax.core.favor_attention`.
+    segment_ids: optional int [..., L], packed documents, as in :func:`~favor_jax.core.favor_attention`.
 
   Returns:
     A (or log A), float32, shape [..., H, Lq, Lk].
