@@ -48,7 +48,7 @@ def _variants(config):
 def time_setting(config, steps: int, repeats: int, long_length: int) -> tuple[float, float]:
   """(training steps/s of ``config`` at its own batch and length, seconds of one train step of the same model
   on one sequence of ``long_length`` tokens, NaN when 0) on one device, compile excluded; one build (task,
-  optimiser, fresh state) serves both (rotary positions: the parameters do not depend on the length)."""
+  optimiser, fresh state) serves both (rotary or no positions: the parameters do not depend on the length)."""
   config = copy.deepcopy(config)
   config.mesh.update(data=1, sequence=1)
   run = training.build(config)
@@ -74,7 +74,7 @@ def time_setting(config, steps: int, repeats: int, long_length: int) -> tuple[fl
 
 def long_train_step(config, run: training.Setup, length: int):
   """(the jitted train step of ``config``'s model built for ``length`` tokens, a batch of one random sequence of
-  ``length`` tokens): it steps ``run.state`` (rotary positions: the parameters do not depend on the length)."""
+  ``length`` tokens): it steps ``run.state`` (rotary or no positions: the parameters do not depend on the length)."""
   model = models.make_model(config, run.task.vocab_size, run.task.num_classes, length)
   step = training.make_train_step(model, run.optimizer, config.attention.redraw_every, jax.random.PRNGKey(1))
   tokens = jax.random.randint(jax.random.PRNGKey(0), (1, length), 1, run.task.vocab_size)
@@ -87,10 +87,10 @@ def run(config, progress=print, workdir=None):
   check_sizes(config)
   studies = [(study, *load_study(directory)) for study, directory in config.studies]
   for study, ran, _ in studies:  # before any timing
-    if config.long_length and (ran.task == "listops" or ran.model.positions != "rotary"):
+    if config.long_length and (ran.task == "listops" or ran.model.positions not in ("rotary", "none")):
       raise ValueError(f"long_length={config.long_length}: study {study!r} ({ran.task}, {ran.model.positions} "
                        "positions) cannot run its model at another length; it needs a language model with rotary "
-                       "positions (or long_length=0)")
+                       "or no positions (or long_length=0)")
   out = []
   for study, ran, records in studies:
     ran = _variants(ran)

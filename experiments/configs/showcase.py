@@ -6,7 +6,7 @@ Trains the Shakespeare character model (2 layers, d=128, 128-character windows) 
 ``train.steps`` steps, then times one train step of the same model on one sequence of ``long.length``
 tokens and reads XLA's memory accounting of it. Writes summary.md (one table and the finding in a
 sentence), showcase.png (one figure) and one directory per run (metrics.jsonl, checkpoints, loss.png).
-About 4 minutes on 2 CPU cores (experiments/results/showcase_cpu); rerunning resumes finished runs.
+4 min 42 s on 2 quiet CPU cores from a fresh clone (experiments/results/showcase_cpu); rerunning resumes finished runs.
 The 10-minute comparison of FAVOR+'s feature maps alone is experiments/configs/quickstart.py.
 """
 

@@ -12,13 +12,6 @@ from experiments.configs import common
 from experiments.configs import forgetting as forgetting_config
 from experiments.configs import listops as listops_config
 from experiments.tasks import shakespeare
-from favor_jax import core
-
-# The gated core (issue 40's log_gate/segment_ids, core.alibi_slopes) is built on branch `gates`; until it is
-# merged here, the tests that run gated attention are skipped, not failed.
-needs_gates = pytest.mark.skipif(not hasattr(core, "alibi_slopes"),
-                                 reason="needs the gates core of issue 40 (branch gates), not merged yet")
-
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EXCERPT = os.path.join(REPO, "tests", "data", "shakespeare")
@@ -61,7 +54,6 @@ def _model_and_state(config, max_len):
   return model, optimizer, training.init_state(config, model, task, optimizer)
 
 
-@needs_gates
 @pytest.mark.parametrize("attention,positions", [
     ({"attention.type": "softmax", "attention.forget_gate": True}, "rotary"),
     (common.favor_variant("positive", forget_gate=True, num_features=16), "none"),
@@ -101,7 +93,6 @@ def test_packing_and_extrapolation_checks_name_the_field(fields, match):
     training.check_config(quick(**fields))
 
 
-@needs_gates
 def test_softmax_reads_the_gate_fields_and_a_gate_changes_the_model():
   config = quick(**{"attention.type": "softmax", "attention.forget_gate": True})
   assert "attention.forget_gate" not in training.unused_fields(config)
@@ -111,7 +102,6 @@ def test_softmax_reads_the_gate_fields_and_a_gate_changes_the_model():
   assert "forget_gate" in params["block_0"]["attention"]
 
 
-@needs_gates
 def test_quick_study_trains_and_reports_bpc_at_longer_lengths(tmp_path):
   config = quick()
   records = main.run(config, str(tmp_path))
@@ -125,3 +115,10 @@ def test_quick_study_trains_and_reports_bpc_at_longer_lengths(tmp_path):
   with open(tmp_path / "favor_positive_forget_gate" / "metrics.jsonl") as f:
     evals = [json.loads(line) for line in f if '"eval"' in line]
   assert "eval_bpc_at_64" in evals[-1] and all("eval_bpc_at_64" not in e for e in evals[:-1])
+  # The trade-off figure places the gated runs (no positions: the same parameters run at its long length).
+  from experiments.configs import tradeoff as tradeoff_config
+  placed = tradeoff_config.get_config("quick")
+  placed.studies = (("forgetting", str(tmp_path)),)
+  timed = main.run(placed, str(tmp_path / "tradeoff"))
+  assert [(r["name"], r["value"]) for r in timed] == [(r["name"], r["eval_bpc"]) for r in records]
+  assert all(r["steps_per_s"] > 0 and r["long_step_s"] > 0 for r in timed)
