@@ -1,4 +1,5 @@
-"""Quality against training speed for every estimator, from the committed MQAR and Shakespeare studies.
+"""Quality against training speed for every estimator, from the committed MQAR, Shakespeare and forget-gate
+studies.
 
     python -m experiments.main --config=experiments/configs/tradeoff.py --workdir=experiments/results/tradeoff_cpu
 
@@ -19,7 +20,8 @@ def get_config(arg=None):
   config.quick = quick  # True: the quick version (FILE.py:quick); set on the full one, asks for it
   # (study, results directory of a training study: its config.json and results.json).
   config.studies = (("mqar", "experiments/results/mqar_estimators_cpu"),
-                    ("shakespeare", "experiments/results/shakespeare_estimators_cpu"))
+                    ("shakespeare", "experiments/results/shakespeare_estimators_cpu"),
+                    ("forgetting", "experiments/results/forgetting_cpu"))
   config.timing_steps = 10  # train steps per timed block
   config.timing_repeats = 3  # timed blocks (median)
   # Also time one train step of each model on a sequence this long (0 = skip). 8192: the committed result's

@@ -100,9 +100,9 @@ def test_gated_hybrid_equals_the_explicit_form(causal):
   near = (((gap >= 0) & (gap < window)) if causal else (np.abs(gap) < window))[None, :, :, None]
   logw = np.where(near, soft, kern) + bias
   logw = np.where(np.asarray(mask)[:, None, :, None], logw, -np.inf)
-  w = np.exp(logw - logw.max(2, keepdims=True))
-  want = np.einsum("btjh,bjhd->bthd", w / w.sum(2, keepdims=True), np.asarray(v, np.float64))
-  want = np.where(np.isfinite(logw.max(2))[..., None], want, 0.0)
+  seen = np.isfinite(logw.max(2))  # a row that sees no key (all masked): output 0
+  w = np.exp(logw - np.where(seen, logw.max(2), 0.0)[:, :, None])
+  want = np.einsum("btjh,bjhd->bthd", w / np.where(seen, w.sum(2), 1.0)[:, :, None], np.asarray(v, np.float64))
   np.testing.assert_allclose(got, want, atol=2e-4 * np.max(np.abs(want)), rtol=0)
   weights = core.attention_weights(q, k, _proj(), kernel="positive", window=window, causal=causal, key_mask=mask,
                                    log_gate=g, segment_ids=ids)

@@ -1,4 +1,4 @@
-"""Gated and packed sequence-parallel cases on 8 devices; run by test_gates_multidevice.py in a process of its own
+"""Gated and packed sequence-parallel cases on 8 devices; run by test_multidevice.py in a process of its own
 (8 forced CPU devices). Not collected directly (the file name does not start with ``test_``)."""
 
 import functools
