@@ -8,7 +8,7 @@ gate, Peng et al. 2021; ALiBi's linear bias for a constant one, Press et al. 202
 
 A packed row's segment boundary (a position whose id differs from the one before)
 is a gate of exactly 0 there (log f = −∞) for causal attention; bidirectional
-attention keeps pairs of one segment (see :mod:`favor_jax.core.segments`).
+attention keeps pairs of one segment (see ``hybrid.segmented``).
 
 Everything here takes the log gate g [..., L, H] (≤ 0, −∞ at a reset) and never
 forms a global running sum G_t to subtract (float32 would cancel at long L):
