@@ -577,12 +577,14 @@ def test_decode_state_keeps_the_batch_shape(batch, window):
           else core.favor_attention(q, k, v, proj, causal=True, chunk_size=4))
   state = core.favor_decode_init(q[..., :1, :, :], v[..., :1, :, :], proj, window=window)
   assert {x.shape[:len(batch)] for x in jax.tree.leaves(state) if x.ndim} == {batch}
-  state, prompt_out = core.favor_decode_step(state, q[..., :5, :, :], k[..., :5, :, :], v[..., :5, :, :], proj,
-                                             chunk_size=4, window=window)
+  # Jitted (one program for the prompt, one for the steps): the eager path is test_decode_steps_equal_causal_forward's.
+  decode = jax.jit(core.favor_decode_step, static_argnames=("chunk_size", "window"))
+  state, prompt_out = decode(state, q[..., :5, :, :], k[..., :5, :, :], v[..., :5, :, :], proj, chunk_size=4,
+                             window=window)
   outs = [prompt_out]
   for t in range(5, 9):
     step = lambda x: x[..., t:t + 1, :, :]
-    state, out = core.favor_decode_step(state, step(q), step(k), step(v), proj, window=window)
+    state, out = decode(state, step(q), step(k), step(v), proj, window=window)
     outs.append(out)
   np.testing.assert_allclose(jnp.concatenate(outs, axis=-3), full, rtol=1e-5, atol=1e-5)
 
