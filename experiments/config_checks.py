@@ -56,8 +56,8 @@ def check_config(config) -> None:
          f"attention.qk_head_dim={a.qk_head_dim} is for FAVOR layers; softmax attention uses the model's head dim")
   relative = ("data.pack", config.data.get("pack", False)), ("data.eval_lengths", config.data.get("eval_lengths", ()))
   for name, value in relative:  # packed rows hold documents at every offset; other lengths run past max_len
-    _check(not value or m.positions != "learned",
-           f"{name}={value!r} needs relative positions (model.positions 'rotary' or 'none'): learned absolute "
+    _check(not value or m.positions in models.ANY_LENGTH,
+           f"{name}={value!r} needs relative positions (model.positions in {models.ANY_LENGTH}): learned absolute "
            "positions are tied to the offset in the row and cannot run past the training length")
   _check(not config.data.get("pack", False) or m.short_conv == 0,
          f"data.pack=True with model.short_conv={m.short_conv}: the short convolution would mix the last "

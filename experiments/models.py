@@ -31,6 +31,7 @@ ATTENTION_TYPES = ("softmax", "favor")
 # "learned": absolute embeddings (cannot run past max_len); "rotary": applied to q, k; "none": no positions
 # (a causal model still orders tokens, and a forget gate adds recency).
 POSITIONS = ("learned", "rotary", "none")
+ANY_LENGTH = ("rotary", "none")  # the positions whose parameters do not depend on the length
 
 
 class AttentionSpec(NamedTuple):

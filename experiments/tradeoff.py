@@ -87,7 +87,7 @@ def run(config, progress=print, workdir=None):
   check_sizes(config)
   studies = [(study, *load_study(directory)) for study, directory in config.studies]
   for study, ran, _ in studies:  # before any timing
-    if config.long_length and (ran.task == "listops" or ran.model.positions not in ("rotary", "none")):
+    if config.long_length and (ran.task == "listops" or ran.model.positions not in models.ANY_LENGTH):
       raise ValueError(f"long_length={config.long_length}: study {study!r} ({ran.task}, {ran.model.positions} "
                        "positions) cannot run its model at another length; it needs a language model with rotary "
                        "or no positions (or long_length=0)")

@@ -11,6 +11,7 @@ from experiments import main, models, steps, tasks, training
 from experiments.configs import common
 from experiments.configs import forgetting as forgetting_config
 from experiments.configs import listops as listops_config
+from experiments.configs import tradeoff as tradeoff_config
 from experiments.tasks import shakespeare
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -116,7 +117,6 @@ def test_quick_study_trains_and_reports_bpc_at_longer_lengths(tmp_path):
     evals = [json.loads(line) for line in f if '"eval"' in line]
   assert "eval_bpc_at_64" in evals[-1] and all("eval_bpc_at_64" not in e for e in evals[:-1])
   # The trade-off figure places the gated runs (no positions: the same parameters run at its long length).
-  from experiments.configs import tradeoff as tradeoff_config
   placed = tradeoff_config.get_config("quick")
   placed.studies = (("forgetting", str(tmp_path)),)
   timed = main.run(placed, str(tmp_path / "tradeoff"))
