@@ -32,6 +32,9 @@ ATTENTION_TYPES = ("softmax", "favor")
 # (a causal model still orders tokens, and a forget gate adds recency).
 POSITIONS = ("learned", "rotary", "none")
 ANY_LENGTH = ("rotary", "none")  # the positions whose parameters do not depend on the length
+DTYPES = ("float32", "bfloat16")  # model.dtype: the compute dtype (activations, matmul inputs)
+PARAM_DTYPES = ("float32",)  # model.param_dtype: parameters (and so AdamW's moments) stay float32
+REMAT = ("none", "block")  # model.remat: "block" recomputes each block's activations in the backward pass
 
 
 class AttentionSpec(NamedTuple):
@@ -101,37 +104,44 @@ class SoftmaxAttention(nn.Module):
   rotary: bool
   forget_gate: bool = False
   alibi: bool = False
+  dtype: jnp.dtype = jnp.float32  # compute dtype
+  param_dtype: jnp.dtype = jnp.float32
 
   @nn.compact
   def __call__(self, x_BLD, mask=None, deterministic=True, segment_ids=None):
     del mask, deterministic  # causal (no padding in an LM), no dropout
     d_model = x_BLD.shape[-1]
-    dense = lambda name: nn.DenseGeneral((self.num_heads, d_model // self.num_heads), name=name)
+    kinds = dict(dtype=self.dtype, param_dtype=self.param_dtype)
+    dense = lambda name: nn.DenseGeneral((self.num_heads, d_model // self.num_heads), name=name, **kinds)
     q_BLHD, k_BLHD, v_BLHD = dense("query")(x_BLD), dense("key")(x_BLD), dense("value")(x_BLD)
     if self.rotary:
       q_BLHD, k_BLHD = rotary(q_BLHD), rotary(k_BLHD)
     logit_BLH = None
     if self.forget_gate:
       kernel_init, bias_init = gates.forget_gate_init()
-      logit_BLH = nn.DenseGeneral(self.num_heads, kernel_init=kernel_init, bias_init=bias_init,
-                                  name="forget_gate")(x_BLD)
+      logit_BLH = nn.DenseGeneral(self.num_heads, kernel_init=kernel_init, bias_init=bias_init, dtype=jnp.float32,
+                                  param_dtype=self.param_dtype, name="forget_gate")(x_BLD)
     log_gate = gates.layer_log_gate(logit_BLH, self.alibi, q_BLHD.shape[:-1])
     out_BLHD = core.softmax_attention(q_BLHD, k_BLHD, v_BLHD, causal=True,
                                       **gates.gate_kwargs(log_gate, segment_ids))
-    return nn.DenseGeneral(d_model, axis=(-2, -1), name="out")(out_BLHD)
+    return nn.DenseGeneral(d_model, axis=(-2, -1), name="out", **kinds)(out_BLHD)
 
 
-def attention_layer(attention: AttentionSpec, num_heads: int, positions: str, name: str) -> nn.Module:
+def attention_layer(attention: AttentionSpec, num_heads: int, positions: str, name: str,
+                    dtype=jnp.float32, param_dtype=jnp.float32) -> nn.Module:
   """The attention module named by ``attention.type`` ("softmax" or "favor"); gated or packed softmax:
-  :class:`SoftmaxAttention`."""
+  :class:`SoftmaxAttention`. ``dtype`` is the compute dtype of its projections (attention inside follows the
+  library's precision policy), ``param_dtype`` its parameters'."""
+  kinds = dict(dtype=dtype, param_dtype=param_dtype)
   if attention.type == "softmax":
     rope = positions == "rotary"
     if attention.forget_gate or attention.alibi or attention.packed:
-      return SoftmaxAttention(num_heads, rope, attention.forget_gate, attention.alibi, name=name)
+      return SoftmaxAttention(num_heads, rope, attention.forget_gate, attention.alibi, name=name, **kinds)
     return nn.MultiHeadDotProductAttention(
-        num_heads=num_heads, attention_fn=_rotary_softmax if rope else nn.dot_product_attention, name=name)
+        num_heads=num_heads, attention_fn=_rotary_softmax if rope else nn.dot_product_attention, name=name,
+        **kinds)
   fields = {f.name: getattr(attention.favor, f.name) for f in dataclasses.fields(attention.favor)}
-  return favor_linen.FavorAttention(num_heads=num_heads, name=name, **fields)
+  return favor_linen.FavorAttention(num_heads=num_heads, name=name, **fields, **kinds)
 
 
 class ShortConv(nn.Module):
@@ -140,12 +150,14 @@ class ShortConv(nn.Module):
   previous tokens' identity, which recall's induction step needs and a linear-attention layer cannot
   single out. Decoding keeps the last width-1 inputs."""
   width: int
+  dtype: jnp.dtype = jnp.float32
+  param_dtype: jnp.dtype = jnp.float32
 
   @nn.compact
   def __call__(self, x_BLD):
     d_model = x_BLD.shape[-1]
-    return nn.Conv(d_model, kernel_size=(self.width,), padding=((self.width - 1, 0),),
-                   feature_group_count=d_model, name="conv")(x_BLD)
+    return nn.Conv(d_model, kernel_size=(self.width,), padding=((self.width - 1, 0),), feature_group_count=d_model,
+                   dtype=self.dtype, param_dtype=self.param_dtype, name="conv")(x_BLD)
 
 
 class Block(nn.Module):
@@ -154,16 +166,20 @@ class Block(nn.Module):
   mlp_dim: int
   positions: str
   short_conv: int = 0  # > 0: a residual ShortConv of this width before attention (0 = none)
+  dtype: jnp.dtype = jnp.float32  # compute dtype
+  param_dtype: jnp.dtype = jnp.float32
 
   @nn.compact
   def __call__(self, x_BLD, mask, train: bool, segment_ids=None):
+    kinds = dict(dtype=self.dtype, param_dtype=self.param_dtype)
+    norm = lambda name: nn.LayerNorm(name=name, **kinds)
     if self.short_conv:
-      x_BLD = x_BLD + ShortConv(self.short_conv, name="short_conv")(nn.LayerNorm(name="ln_conv")(x_BLD))
-    attend = attention_layer(self.attention, self.num_heads, self.positions, "attention")
+      x_BLD = x_BLD + ShortConv(self.short_conv, name="short_conv", **kinds)(norm("ln_conv")(x_BLD))
+    attend = attention_layer(self.attention, self.num_heads, self.positions, "attention", **kinds)
     packed = {} if segment_ids is None else {"segment_ids": segment_ids}
-    x_BLD = x_BLD + attend(nn.LayerNorm(name="ln_attention")(x_BLD), mask=mask, deterministic=not train, **packed)
-    h_BLF = nn.gelu(nn.Dense(self.mlp_dim, name="mlp_in")(nn.LayerNorm(name="ln_mlp")(x_BLD)))
-    return x_BLD + nn.Dense(x_BLD.shape[-1], name="mlp_out")(h_BLF)
+    x_BLD = x_BLD + attend(norm("ln_attention")(x_BLD), mask=mask, deterministic=not train, **packed)
+    h_BLF = nn.gelu(nn.Dense(self.mlp_dim, name="mlp_in", **kinds)(norm("ln_mlp")(x_BLD)))
+    return x_BLD + nn.Dense(x_BLD.shape[-1], name="mlp_out", **kinds)(h_BLF)
 
 
 class Transformer(nn.Module):
@@ -172,7 +188,9 @@ class Transformer(nn.Module):
   The classifier mean-pools the non-padding positions (token 0 is padding).
   ``train=True`` lets causal FAVOR++ layers update their running ρ (``favor``
   collection mutable); there is no dropout. ``segment_ids`` [B, L]: packed documents, no attention across a
-  boundary (positions must be relative: rotary or none); None: one document per row.
+  boundary (positions must be relative: rotary or none); None: one document per row. ``dtype``: the compute
+  dtype (parameters in ``param_dtype``); the logits are float32 whatever it is. ``remat="block"``: each block's
+  activations are recomputed in the backward pass instead of kept (memory for compute).
   """
   vocab_size: int
   num_classes: int
@@ -184,6 +202,9 @@ class Transformer(nn.Module):
   positions: str
   attention: AttentionSpec
   short_conv: int = 0  # > 0: each block starts with a residual causal depthwise convolution of this width
+  dtype: jnp.dtype = jnp.float32  # compute dtype: float32 or bfloat16
+  param_dtype: jnp.dtype = jnp.float32
+  remat: str = "none"  # "none" or "block"
 
   @nn.compact
   def __call__(self, tokens_BL: Int[Array, "B L"], train: bool = False,
@@ -192,9 +213,10 @@ class Transformer(nn.Module):
     length = tokens_BL.shape[-1]
     if length > self.max_len:
       raise ValueError(f"tokens has length {length}, more than the model's max_len {self.max_len}")
-    x_BLD = nn.Embed(self.vocab_size, self.d_model, name="embed")(tokens_BL)
+    kinds = dict(dtype=self.dtype, param_dtype=self.param_dtype)
+    x_BLD = nn.Embed(self.vocab_size, self.d_model, name="embed", **kinds)(tokens_BL)
     if self.positions == "learned":
-      x_BLD = x_BLD + nn.Embed(self.max_len, self.d_model, name="position")(jnp.arange(length))
+      x_BLD = x_BLD + nn.Embed(self.max_len, self.d_model, name="position", **kinds)(jnp.arange(length))
     pad_BL = tokens_BL != 0
     if causal:  # LM: no padding; Flax's softmax needs an explicit causal mask, FAVOR and SoftmaxAttention not
       flax_softmax = self.attention.type == "softmax" and not (
@@ -202,16 +224,20 @@ class Transformer(nn.Module):
       mask = nn.make_causal_mask(tokens_BL) if flax_softmax else None
     else:  # classifier: remove padding keys for every query (the only mask FAVOR can honour)
       mask = pad_BL[:, None, None, :]
-    block = functools.partial(Block, self.attention, self.num_heads, self.mlp_dim, self.positions,
-                              self.short_conv)
+    # static_argnums count the module: (self, x, mask, train, segment_ids) -> train is static
+    block_class = nn.remat(Block, static_argnums=(3,)) if self.remat == "block" else Block
+    block = functools.partial(block_class, self.attention, self.num_heads, self.mlp_dim, self.positions,
+                              self.short_conv, **kinds)
     for i in range(self.num_layers):
       x_BLD = block(name=f"block_{i}")(x_BLD, mask, train, segment_ids)
-    x_BLD = nn.LayerNorm(name="ln_final")(x_BLD)
+    x_BLD = nn.LayerNorm(name="ln_final", **kinds)(x_BLD)
+    # The head in float32 (and so the logits and the loss): bfloat16's 8 bits would round log-probabilities.
+    head = lambda n: nn.Dense(n, name="head", dtype=jnp.float32, param_dtype=self.param_dtype)
     if causal:
-      return nn.Dense(self.vocab_size, name="head")(x_BLD)
+      return head(self.vocab_size)(x_BLD)
     weights_BL1 = pad_BL[..., None].astype(x_BLD.dtype)
     pooled_BD = (x_BLD * weights_BL1).sum(-2) / jnp.maximum(weights_BL1.sum(-2), 1.0)
-    return nn.Dense(self.num_classes, name="head")(pooled_BD)
+    return head(self.num_classes)(pooled_BD)
 
 
 def make_model(config, vocab_size: int, num_classes: int, max_len: int, mesh: Mesh | None = None) -> Transformer:
@@ -224,7 +250,9 @@ def make_model(config, vocab_size: int, num_classes: int, max_len: int, mesh: Me
                        packed=bool(config.data.get("pack", False)))
   return Transformer(vocab_size=vocab_size, num_classes=num_classes, max_len=max_len, d_model=m.d_model,
                      num_layers=m.num_layers, num_heads=m.num_heads, mlp_dim=m.mlp_dim,
-                     positions=m.positions, short_conv=m.short_conv, attention=spec)
+                     positions=m.positions, short_conv=m.short_conv, attention=spec,
+                     dtype=jnp.dtype(m.get("dtype", "float32")), param_dtype=jnp.dtype(m.get("param_dtype", "float32")),
+                     remat=m.get("remat", "none"))
 
 
 def decode_state_size(config, seq_len: int) -> int:
