@@ -5,7 +5,7 @@
     python -m experiments.main --config=experiments/configs/lm_base.py:quick --workdir=/tmp/lm_base   # CPU smoke
 
 On a multi-host slice every host runs the same command (docs/training.md: the launch). Size: 85M parameters
-with bytes (vocab 256), 110M with a 16k vocabulary, 135M with 32k (12 blocks of 7.1M; embedding and head
+with bytes (vocab 256), 110M with a 16k vocabulary, 134M with 32k (12 blocks of 7.1M; embedding and head
 2·V·768). Cost (experiments/train/flops.py, docs/training.md): 0.67 GFLOP per trained token at vocab 256
 (train = 3 × forward, attention included; 0.81 at 32k), so a step of 64 × 4096 = 262,144 tokens is 175 TFLOP:
 0.28 s on a v5e-8 (8 × 197 TFLOP/s) at 40% MFU, 0.12 s on 8 v5p chips (8 × 459). Memory per

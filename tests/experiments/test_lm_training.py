@@ -221,7 +221,7 @@ def test_flops_per_token_match_the_compiled_forward_pass(attention):
   counted = jax.jit(model.apply).lower(variables, tokens).compile().cost_analysis()
   counted = counted[0] if isinstance(counted, list) else counted
   formula = flops.flops_per_token(config, 256, length)["forward"] * batch * length
-  assert 0.85 < counted["flops"] / formula < 1.25, (counted["flops"], formula)
+  assert 0.97 < counted["flops"] / formula < 1.06, (counted["flops"], formula)  # 1.012 and 1.021 measured
 
 
 def test_peak_table_and_cpu_ceiling():
