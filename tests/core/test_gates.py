@@ -284,6 +284,23 @@ def test_alibi_slopes_are_press_et_al():
       core.alibi_slopes(bad)
 
 
+def _press_slopes(n):
+  """The slopes as the ALiBi paper's code builds them (Press et al. 2022, its get_slopes), recursively."""
+  if math.log2(n).is_integer():
+    start = 2.0 ** (-(2.0 ** -(math.log2(n) - 3)))
+    return [start * start ** i for i in range(n)]
+  low = 2 ** math.floor(math.log2(n))
+  return _press_slopes(low) + _press_slopes(2 * low)[0::2][:n - low]
+
+
+def test_alibi_slopes_keep_the_papers_interleaved_order():
+  """Not steepest first for H not a power of two: the paper's order, which heads were trained with."""
+  np.testing.assert_allclose(core.alibi_slopes(3), [2.0 ** -4, 2.0 ** -8, 2.0 ** -2], rtol=1e-7)
+  for n in (1, 2, 3, 5, 6, 7, 12, 24, 40):
+    np.testing.assert_allclose(core.alibi_slopes(n), _press_slopes(n), rtol=1e-6, err_msg=str(n))
+  assert not np.all(np.diff(core.alibi_slopes(3)) < 0)  # what the docstring says: not monotone
+
+
 @pytest.mark.parametrize("fn", ["softmax", "favor", "hybrid", "weights"])
 def test_bad_gates_and_segment_ids_are_refused_naming_the_argument(fn):
   q, k, v = _qkv()
