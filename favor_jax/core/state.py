@@ -55,11 +55,13 @@ def rescaled_sum(a, b):
 # A feature equal to 0 (ReLU below its hinge, a Taylor coordinate, a user map's zero) adds nothing to a weight,
 # so it must not set a row's scale: a query whose features miss a key's would be scaled to that key's largest
 # feature, its real terms (an earlier key decayed by a gate, say) falling e^-80 under it and below TINY_DEN,
-# a silent zero row. Every feature with a multiplier gets its own log, log|φ_f| floored at ZERO_GAP e-folds
-# under its row's largest: a key no feature of the query reaches counts at most e^-ZERO_GAP of its peak, and
-# rows stay exact down to decays of e^-(ZERO_GAP + 69) (TINY_DEN = e^-69). The floor keeps φ_f = e^{log} · mult
-# differentiable at a zero feature (its gradient, that of a linear map, lives in mult); its terms fall
+# a silent zero row. So a feature under e^-SMALL_GAP of its row's largest carries its size in the log, floored
+# at e^-ZERO_GAP: a key no feature of the query reaches counts at most e^-ZERO_GAP of its peak, a real term at
+# least e^-2·SMALL_GAP of the scale, and rows stay exact down to decays of e^-(ZERO_GAP + 69) (TINY_DEN = e^-69).
+# Larger features keep their size in mult: a row's log can be huge (×1e9 inputs: 1e17) and would lose it. The
+# floor keeps φ_f = e^{log} · mult differentiable at a zero feature (its gradient lives in mult); its terms fall
 # below float32's range only where they are under e^-(87 - ZERO_GAP) of the row's scale.
+SMALL_GAP = 20.0
 ZERO_GAP = 60.0
 
 
@@ -67,19 +69,20 @@ def parts(f, keep=None):
   """(log, mult) with |mult| ≤ 1 and log broadcastable ([..., F] or [..., 1]); rows where ``keep``
   (broadcastable to log, e.g. mask[..., None, None] for [N, L, H, F]) is False get log −∞.
 
-  Features with a multiplier are split per feature, log|mult_f| (floored ``ZERO_GAP`` under the row's
-  largest) into the log and the sign into mult, so that every algorithm sees the same normalised form and
-  scales a row by its largest real term: a feature that is 0 does not count (a row all 0: log −∞).
+  Features with a multiplier are scaled by their row's largest, and those under e^-SMALL_GAP of it (0
+  included) get their own size in the log (floored at e^-ZERO_GAP), so that every algorithm sees the same
+  normalised form and a feature that is 0 does not set a row's scale (a row all 0: log −∞).
   """
   log, mult = f.log, f.mult
   if mult is not None:
     size = jax.lax.stop_gradient(jnp.abs(mult))
     peak = jnp.max(size, axis=-1, keepdims=True)
     some = peak > 0
-    size = jnp.maximum(size / jnp.where(some, peak, 1.0), math.exp(-ZERO_GAP))  # in [e^-ZERO_GAP, 1]
-    own = jnp.where(some, jnp.log(jnp.where(some, peak, 1.0)) + jnp.log(size), NEG_INF)
+    size = size / jnp.where(some, peak, 1.0)
+    bound = jnp.where(size < math.exp(-SMALL_GAP), jnp.maximum(size, math.exp(-ZERO_GAP)), 1.0)
+    own = jnp.where(some, jnp.log(jnp.where(some, peak, 1.0)) + jnp.log(bound), NEG_INF)
     log = own if log is None else log + own
-    mult = mult / jnp.where(some, peak, 1.0) / size
+    mult = mult / jnp.where(some, peak, 1.0) / bound
   if keep is not None:
     log = jnp.where(keep, log, NEG_INF)
   return log, mult
