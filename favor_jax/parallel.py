@@ -85,7 +85,7 @@ def sequence_parallel_attention(
     batch_axis: optional mesh axis (not ``axis_name``) the flattened batch is
       split over when its size divides the batch (replicated otherwise: the
       result is the same either way).
-    kernel: a name in ``KERNELS``, a :class:`~favor_jax.core.kernels.Kernel`, or
+    kernel: a name in ``KERNELS`` or a :class:`~favor_jax.core.Kernel` record, or
       a callable with a kernel's signature. A plain callable (not a ``Kernel``
       record) is called with ``stabilize=False`` here, causal or not (each
       device sees part of the keys): its features must stay within float32's
@@ -157,16 +157,17 @@ def sequence_parallel_attention(
   def flat(q, k, v, mask):
     if gates is None:
       return run(q, k, v, mask, None, causal=bool(causal)), None
-    if causal:
-      return run(q, k, v, mask, gates.log, causal=True), None
+    if causal:  # the call's own gates, bad entries flagged (gates.prepare): one rule on every device
+      return run(q, k, v, mask, gates, causal=True), None
     # Keys j ≤ t with a reset at each segment start, keys j > t over the reversed sequence (delayed by one).
     forward = jnp.broadcast_to(jnp.where(gates.start, -jnp.inf, 0.0)[..., None], q.shape[:3])
     back = jnp.broadcast_to(hybrid_lib.reverse_gate(gates.start), q.shape[:3])
     rev = lambda x: jnp.flip(x, axis=1)
     shift = lambda x, fill=0: hybrid_lib._delayed(rev(x), 1, fill)
-    parts = (run(q, k, v, mask, forward, causal=True, terms=True),
-             tuple(map(rev, run(rev(q), shift(k), shift(v), shift(mask, False), back, causal=True, terms=True,
-                                key_offset=back))))
+    as_gates = lambda log: gates_lib.Gates(log, None, None)
+    parts = (run(q, k, v, mask, as_gates(forward), causal=True, terms=True),
+             tuple(map(rev, run(rev(q), shift(k), shift(v), shift(mask, False), as_gates(back), causal=True,
+                                terms=True, key_offset=back))))
     bad = inputs.split_nonfinite(q, k, v, mask, causal=False, gates=gates)[3]
     return inputs.poison(state_lib.divide(*hybrid_lib.merge(*parts)), bad), None
 
@@ -181,30 +182,33 @@ class _ByIdentity:
 
 
 @functools.partial(jax.jit, static_argnames=("mesh", "axis_name", "specs", "kern", "causal", "chunk_size", "terms"))
-def _sharded(q, k, v, mask, gate, projection, rho_NH, *, mesh, axis_name, specs, kern, causal, chunk_size,
+def _sharded(q, k, v, mask, gates, projection, rho_NH, *, mesh, axis_name, specs, kern, causal, chunk_size,
              terms=False, key_offset=None):
   """The per-device computation under ``shard_map``, the padding of L to a multiple of the axis size and its
   removal around it; compiled (once per shape and static choice) even when the caller is eager: ``shard_map``
   executed op by op is far slower, and the padding's transpose on an explicit mesh needs the compiler.
-  ``gate`` [N, L, H] (causal; None: none) and ``key_offset`` as in ``causal_xla.chunked``; ``terms``: return
+  ``gates``: a flattened ``gates.Gates`` (causal; None: none), split along L like the inputs (its bad entries
+  poison the rows that see them, by ``inputs.split_nonfinite``'s one rule); ``key_offset`` as in
+  ``causal_xla.chunked``; ``terms``: return
   (num, den, log-scale) for a merge (non-finite inputs not marked: the caller's other pass is their rule)."""
   kern = kern.kern if isinstance(kern, _ByIdentity) else kern
   length = q.shape[1]
   padded = -(-length // mesh.shape[axis_name]) * mesh.shape[axis_name]
   q, k, v = (inputs.pad_to(x, padded) for x in (q, k, v))
   mask = inputs.pad_to(mask, padded, False)
-  gated = gate is not None
-  gate, key_offset = (None if x is None else inputs.pad_to(x, padded) for x in (gate, key_offset))
-  args = (q, k, v, mask, projection, rho_NH, gate, key_offset)
+  gated = gates is not None
+  gates = jax.tree.map(lambda x: inputs.pad_to(x, padded, jnp.zeros((), x.dtype)), gates)  # padding: no reset
+  key_offset = None if key_offset is None else inputs.pad_to(key_offset, padded)
+  args = (q, k, v, mask, projection, rho_NH, gates, key_offset)
   specs = specs + (specs[0],) * 2
   explicit = jax.sharding.AxisType.Explicit in mesh.axis_types
   if explicit:  # explicit meshes want inputs laid out as the specs say
-    args = [None if x is None else jax.reshard(x, NamedSharding(mesh, spec)) for x, spec in zip(args, specs)]
+    args = [jax.tree.map(lambda x: jax.reshard(x, NamedSharding(mesh, spec)), x) for x, spec in zip(args, specs)]
 
-  def local(q, k, v, mask, projection, rho_NH, gate, key_offset):
+  def local(q, k, v, mask, projection, rho_NH, gates, key_offset):
     # Row-local feature stabilisation only: a max over "all positions" would differ per device.
     features = features_lib.of_kernel(kern, projection, rho_NH, causal=True)
-    gates = gates_lib.Gates(gate, None, None) if gated else None
+    gate = gates.log if gated else None
 
     def algorithm(q, k, v, mask, _):
       v = v.astype(jnp.float32)

@@ -50,6 +50,7 @@ from favor_jax.core.projections import (
     orthogonal_projection,
     simplex_projection,
 )
+from favor_jax.core.records import Kernel, LogFeatures
 from favor_jax.core.state import RecurrentState
 from favor_jax.core.weights import attention_weights
 
@@ -68,8 +69,10 @@ __all__ = [
     "get_kernel",
     "iid_gaussian_projection",
     "kernels",
+    "Kernel",
     "KERNELS",
     "linear_attention",
+    "LogFeatures",
     "oprf_rho",
     "RecurrentState",
     "saderf_statistic",

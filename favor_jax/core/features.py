@@ -43,6 +43,9 @@ def resolve_kernel(kernel, projection, rho, query):
   elif not record or kern.needs_projection:
     raise ValueError(f"kernel {name!r} needs a projection [M, {query.shape[-1]}], got None")
   data_dependent = record and kern.data_dependent
+  if record and not any(kern is ours for ours in kernels_lib.KERNELS.values()):  # a record of one's own
+    statistic = {} if not data_dependent else {kern.statistic: jnp.zeros(kern.statistic_shape(query.shape))}
+    kern.check_features(query, query, projection, **statistic)
   if rho is not None and not data_dependent:
     raise ValueError(f"rho passes the statistic of a data-dependent kernel (one of "
                      f"{kernels_lib.data_dependent_names()}); kernel {name!r} takes none")

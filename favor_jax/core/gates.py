@@ -37,15 +37,17 @@ NEG_INF = -jnp.inf
 def alibi_slopes(num_heads: int) -> np.ndarray:
   """ALiBi's per-head slopes m_h (Press et al. 2022), float32 [H]; the bias of head h is −m_h·(t − j).
 
-  For H a power of two: 2^{−8h/H}, h = 1..H; otherwise those of the power of two
-  below H, then every other slope of the next power of two (the paper's code).
-  As a forget gate: ``log_gate = −m_h`` at every position (:func:`alibi_log_gate`).
+  For H a power of two: 2^{−8h/H}, h = 1..H, steepest (largest) first. Otherwise, in the order of the paper's
+  code: the H' = 2^⌊log₂H⌋ slopes of H' heads (2^{−8h/H'}, steepest first), then the first H − H' of every
+  other slope of 2H' heads (2^{−8h/2H'} for h = 1, 3, 5, …), which lie between them: the order is not
+  monotone, e.g. ``alibi_slopes(3) = [2⁻⁴, 2⁻⁸, 2⁻²] = [0.0625, 0.0039, 0.25]``. As a forget gate:
+  ``log_gate = −m_h`` at every position (:func:`alibi_log_gate`).
 
   Args:
     num_heads: H, the number of heads.
 
   Returns:
-    The slopes m_h > 0, float32 [H], steepest first.
+    The slopes m_h > 0, float32 [H], head h's at index h in the order above.
 
   Raises:
     ValueError: ``num_heads`` is not a positive int.

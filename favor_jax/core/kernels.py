@@ -298,7 +298,7 @@ def get_kernel(kernel):
   """Looks up a kernel by name; a callable is returned unchanged.
 
   Args:
-    kernel: a name in ``KERNELS`` or a callable (a :class:`Kernel` or a function with its signature).
+    kernel: a name in ``KERNELS`` or a :class:`Kernel` record, or a callable with a kernel's signature.
 
   Returns:
     The :class:`Kernel` of that name, or ``kernel`` itself.
@@ -317,7 +317,7 @@ def num_features(kernel, num_projections: int | None, head_dim: int) -> int:
   """Computes F, the features per head ``kernel`` produces (M for ``positive``, 2M for ``hyperbolic``).
 
   Args:
-    kernel: a name in ``KERNELS`` or a :class:`Kernel`.
+    kernel: a name in ``KERNELS`` or a :class:`Kernel` record.
     num_projections: M, the projection's rows (None: without a projection).
     head_dim: D, the head dim of query and key.
 

@@ -88,6 +88,57 @@ class Kernel:
     one = jax.ShapeDtypeStruct(tuple(query_shape[:-3]) + (1,) + tuple(query_shape[-2:]), jnp.float32)
     return jax.eval_shape(self.compute_statistic, one, one).shape
 
+  def check_features(self, query, key, projection=None, **statistic) -> None:
+    """Checks ``log_features`` against the contract on one row of ``query`` and ``key`` (shapes only, by
+    ``jax.eval_shape``: at trace time, nothing computed), so a record of one's own fails here with what the
+    contract wants, not deep inside an algorithm.
+
+    Args:
+      query: queries [..., Lq, H, D] (or a ``jax.ShapeDtypeStruct``).
+      key: keys [..., Lk, H, D].
+      projection: ω [M, D] or [H, M, D], or None.
+      **statistic: the data statistic under the record's ``statistic`` keyword, if it takes one.
+
+    Raises:
+      TypeError: ``log_features`` does not return two :class:`LogFeatures`, or one has neither part, a part
+        that is not a floating array.
+      ValueError: a part's shape is not [..., L, H, F] (log: F or 1) for its input's [..., L, H, D], query and
+        key features differ in F, or F differs from ``num_features(M, D)``.
+    """
+    row = lambda x: jax.ShapeDtypeStruct(tuple(x.shape[:-3]) + (1,) + tuple(x.shape[-2:]), jnp.float32)
+    out = jax.eval_shape(lambda q, k: self.log_features(q, k, projection, **statistic), row(query), row(key))
+    contract = (f"kernel {self.name!r}: log_features(query, key, projection) must return a pair "
+                "(LogFeatures(log, mult), LogFeatures(log, mult)) of favor_jax.core.LogFeatures, φ = mult · exp(log)")
+    if not (isinstance(out, (tuple, list)) and len(out) == 2 and all(isinstance(f, LogFeatures) for f in out)):
+      raise TypeError(f"{contract}; got {_describe(out)}")
+    widths = []
+    for f, x, what in zip(out, (query, key), ("query", "key")):
+      if f.log is None and f.mult is None:
+        raise TypeError(f"{contract}; the {what} features have log=None and mult=None (give at least one)")
+      rows = tuple(x.shape[:-3]) + (1,) + tuple(x.shape[-2:-1])  # [..., L, H] of one row
+      for part, a in (("log", f.log), ("mult", f.mult)):
+        if a is None:
+          continue
+        dtype = getattr(a, "dtype", None)
+        if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+          raise TypeError(f"{contract}; the {what} features' {part} must be a floating array, got "
+                          f"{_describe(a)}")
+        if a.ndim < 1 or tuple(a.shape[:-1]) != rows:
+          raise ValueError(f"{contract}; the {what} features' {part} must have shape [..., L, H, F] = "
+                           f"{rows + ('F',)} for a {what} of shape {rows + tuple(x.shape[-1:])}, got {tuple(a.shape)}")
+      width = f.mult.shape[-1] if f.mult is not None else f.log.shape[-1]
+      if f.log is not None and f.mult is not None and f.log.shape[-1] not in (1, width):
+        raise ValueError(f"{contract}; the {what} features' log must have F = {width} entries (as mult) or 1 "
+                         f"(one per row), got {f.log.shape[-1]}")
+      widths.append(width)
+    if widths[0] != widths[1]:
+      raise ValueError(f"{contract}; query and key features must have one F, got {widths[0]} and {widths[1]}")
+    m = None if projection is None else projection.shape[-2]
+    want = self.num_features(m, query.shape[-1])
+    if want != widths[0]:
+      raise ValueError(f"kernel {self.name!r}: num_features({m}, {query.shape[-1]}) = {want}, but its log_features "
+                       f"return F = {widths[0]} features; make num_features(M, D) give the F log_features returns")
+
   def check_projection_given(self, projection) -> None:
     """A projection given to a kernel that takes none is refused, not ignored."""
     if projection is not None and not self.takes_projection:
@@ -96,9 +147,21 @@ class Kernel:
 
   def __call__(self, query, key, projection=None, *, stabilize: bool = True, **statistic):
     self.check_projection_given(projection)
+    self.check_features(query, key, projection, **statistic)
     fq, fk = self.log_features(query, key, projection, **statistic)
     return (materialise(fq, stabilize=stabilize, over_keys=False),
             materialise(fk, stabilize=stabilize, over_keys=True))
+
+
+def _describe(x) -> str:
+  """What a value is, for an error: a type and, for arrays, shape and dtype (tuples item by item)."""
+  if isinstance(x, LogFeatures):
+    return f"LogFeatures({_describe(x.log)}, {_describe(x.mult)})"
+  if isinstance(x, (tuple, list)):
+    return f"{type(x).__name__} of {len(x)}: (" + ", ".join(_describe(a) for a in x) + ")"
+  if hasattr(x, "shape") and hasattr(x, "dtype"):
+    return f"an array of shape {tuple(x.shape)} and dtype {x.dtype}"
+  return "None" if x is None else type(x).__name__
 
 
 def causal_statistic_error(kernel: Kernel, query) -> ValueError:

@@ -16,6 +16,7 @@ features.
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import jax
@@ -51,18 +52,37 @@ def rescaled_sum(a, b):
   return m, s1 * jnp.exp(m1 - safe)[..., None] + s2 * jnp.exp(m2 - safe)[..., None]
 
 
+# A feature equal to 0 (ReLU below its hinge, a Taylor coordinate, a user map's zero) adds nothing to a weight,
+# so it must not set a row's scale: a query whose features miss a key's would be scaled to that key's largest
+# feature, its real terms (an earlier key decayed by a gate, say) falling e^-80 under it and below TINY_DEN,
+# a silent zero row. So a feature under e^-SMALL_GAP of its row's largest carries its size in the log, floored
+# at e^-ZERO_GAP: a key no feature of the query reaches counts at most e^-ZERO_GAP of its peak, a real term at
+# least e^-2·SMALL_GAP of the scale, and rows stay exact down to decays of e^-(ZERO_GAP + 69) (TINY_DEN = e^-69).
+# Larger features keep their size in mult: a row's log can be huge (×1e9 inputs: 1e17) and would lose it. The
+# floor keeps φ_f = e^{log} · mult differentiable at a zero feature (its gradient lives in mult); its terms fall
+# below float32's range only where they are under e^-(87 - ZERO_GAP) of the row's scale.
+SMALL_GAP = 20.0
+ZERO_GAP = 60.0
+
+
 def parts(f, keep=None):
   """(log, mult) with |mult| ≤ 1 and log broadcastable ([..., F] or [..., 1]); rows where ``keep``
   (broadcastable to log, e.g. mask[..., None, None] for [N, L, H, F]) is False get log −∞.
 
-  Features given without a log part are split into a per-row scale and the
-  row divided by it, so every algorithm sees the same normalised form.
+  Features with a multiplier are scaled by their row's largest, and those under e^-SMALL_GAP of it (0
+  included) get their own size in the log (floored at e^-ZERO_GAP), so that every algorithm sees the same
+  normalised form and a feature that is 0 does not set a row's scale (a row all 0: log −∞).
   """
   log, mult = f.log, f.mult
-  if log is None:
-    peak = jax.lax.stop_gradient(jnp.max(jnp.abs(mult), axis=-1, keepdims=True))
-    log = jnp.log(jnp.where(peak > 0, peak, 1.0))
-    mult = mult / jnp.where(peak > 0, peak, 1.0)
+  if mult is not None:
+    size = jax.lax.stop_gradient(jnp.abs(mult))
+    peak = jnp.max(size, axis=-1, keepdims=True)
+    some = peak > 0
+    size = size / jnp.where(some, peak, 1.0)
+    bound = jnp.where(size < math.exp(-SMALL_GAP), jnp.maximum(size, math.exp(-ZERO_GAP)), 1.0)
+    own = jnp.where(some, jnp.log(jnp.where(some, peak, 1.0)) + jnp.log(bound), NEG_INF)
+    log = own if log is None else log + own
+    mult = mult / jnp.where(some, peak, 1.0) / bound
   if keep is not None:
     log = jnp.where(keep, log, NEG_INF)
   return log, mult
@@ -90,7 +110,7 @@ class RecurrentState(NamedTuple):
   :func:`~favor_jax.core.favor_decode_step` give and take it with the batch dims ``...`` instead.
 
   Attributes:
-    mu: μ, float32 [N, H, Fm] (Fm: F, or 1 for a kernel with one log per row).
+    mu: μ, float32 [N, H, Fm] (Fm: F, or 1 for features without multiplier with one log per row).
     s: S, float32 [N, H, F, Dv+1] (the last column: the denominator's sums).
   """
   mu: Array  # [N, H, Fm]
@@ -100,9 +120,9 @@ class RecurrentState(NamedTuple):
 
 def initial_state(features: features_lib.Features, q, k, v) -> RecurrentState:
   """The state before any key; F and the width of μ are read off the feature map's shapes."""
-  fk = jax.eval_shape(features.fn, q[:, :1], k[:, :1])[1]
-  f = fk.mult.shape[-1] if fk.mult is not None else fk.log.shape[-1]
-  fm = 1 if fk.log is None else fk.log.shape[-1]
+  log_k, mult_k = jax.eval_shape(lambda q, k: parts(features.fn(q, k)[1]), q[:, :1], k[:, :1])
+  f = mult_k.shape[-1] if mult_k is not None else log_k.shape[-1]
+  fm = log_k.shape[-1]
   n, _, h = q.shape[:3]
   return RecurrentState(jnp.full((n, h, fm), NEG_INF, jnp.float32),
                         jnp.zeros((n, h, f, v.shape[-1] + 1), jnp.float32))

@@ -284,6 +284,23 @@ def test_alibi_slopes_are_press_et_al():
       core.alibi_slopes(bad)
 
 
+def _press_slopes(n):
+  """The slopes as the ALiBi paper's code builds them (Press et al. 2022, its get_slopes), recursively."""
+  if math.log2(n).is_integer():
+    start = 2.0 ** (-(2.0 ** -(math.log2(n) - 3)))
+    return [start * start ** i for i in range(n)]
+  low = 2 ** math.floor(math.log2(n))
+  return _press_slopes(low) + _press_slopes(2 * low)[0::2][:n - low]
+
+
+def test_alibi_slopes_keep_the_papers_interleaved_order():
+  """Not steepest first for H not a power of two: the paper's order, which heads were trained with."""
+  np.testing.assert_allclose(core.alibi_slopes(3), [2.0 ** -4, 2.0 ** -8, 2.0 ** -2], rtol=1e-7)
+  for n in (1, 2, 3, 5, 6, 7, 12, 24, 40):
+    np.testing.assert_allclose(core.alibi_slopes(n), _press_slopes(n), rtol=1e-6, err_msg=str(n))
+  assert not np.all(np.diff(core.alibi_slopes(3)) < 0)  # what the docstring says: not monotone
+
+
 @pytest.mark.parametrize("fn", ["softmax", "favor", "hybrid", "weights"])
 def test_bad_gates_and_segment_ids_are_refused_naming_the_argument(fn):
   q, k, v = _qkv()
@@ -320,3 +337,46 @@ def test_a_bad_gate_poisons_the_rows_that_may_see_it_and_no_earlier_one(bad):
     want = np.zeros((B, L, H), bool)
     want[0, t:30, 1] = True  # from its position to the next reset, its head only
     np.testing.assert_array_equal(nan, want)
+
+
+def _strong_gate_case(name, length=24):
+  """q, k, v [B, length, H, D] and log gates decaying key 0 by up to e^-87 (≈ 1.6e-38, float32's smallest normal
+  is 1.18e-38): head 0 by 87/8 per position over 1..8, head 1 by 87 at once at position 5. ReLU (identity
+  projection): every query's features lie on coordinates 0-3, key 0's on all, the later keys' on 4-7 only, so
+  every row but the first weighs key 0 alone and must return v_0 however far it decayed."""
+  q, k, v = _qkv(seed=4, length=length)
+  if name == "relu":
+    half = jnp.arange(D) < D // 2
+    q = jnp.where(half, jnp.abs(q) + 0.1, -jnp.abs(q))
+    k = jnp.where(half, -jnp.abs(k), jnp.abs(k) + 0.1).at[:, 0].set(jnp.abs(k[:, 0]) + 0.1)
+  g = jnp.zeros((B, length, H)).at[:, 1:9, 0].set(-87.0 / 8).at[:, 5, 1].set(-87.0)
+  return q, k, v, g
+
+
+@pytest.mark.parametrize("name", ["relu", "trigonometric", "taylor"])
+def test_strong_gates_down_to_the_smallest_normal_keep_every_row(name):
+  """Issue 48: features that can be 0 (ReLU, Taylor's coordinates, the sines of trigonometric features) must not
+  set a row's scale by a key it weighs 0; the rows whose only weighted key decayed by e^-87 keep it (no silent
+  zero row), in every causal method, in decoding, and as attention_weights says, against float64."""
+  q, k, v, g = _strong_gate_case(name)
+  proj = jnp.eye(D) if name == "relu" else _proj(name)
+  mask = jnp.ones((B, q.shape[1]), bool)
+  want, cond = explicit(name, q, k, v, proj, None, mask, decay(g))
+  rows = cond < 10
+  if name == "relu":
+    assert np.all(rows[:, 1:]) and np.allclose(want[:, 1:], np.asarray(v)[:, :1], rtol=1e-12)  # the case holds
+  for method in METHODS:
+    got = np.asarray(_favor(name, method, 8)(q, k, v, proj, None, mask, g), np.float64)
+    err = np.abs(got - want)[rows]
+    assert np.max(err) <= 1e-4 * np.max(np.abs(want)), f"{name} {method}: max error {np.max(err)}"
+  state = core.favor_decode_init(q[:, :1], v[:, :1], proj, kernel=name)
+  step = jax.jit(functools.partial(core.favor_decode_step, kernel=name))
+  steps = []
+  for t in range(q.shape[1]):
+    state, out = step(state, q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], proj, log_gate=g[:, t:t + 1])
+    steps.append(out)
+  err = np.abs(np.asarray(jnp.concatenate(steps, axis=1), np.float64) - want)[rows]
+  assert np.max(err) <= 1e-4 * np.max(np.abs(want)), f"{name} decode: max error {np.max(err)}"
+  a = core.attention_weights(q, k, proj, kernel=name, causal=True, log_gate=g)  # [B, H, Lq, Lk]
+  by_weights = np.einsum("bhtj,bjhd->bthd", np.asarray(a, np.float64), np.asarray(v, np.float64))
+  assert np.max(np.abs(by_weights - want)[rows]) <= 1e-4 * np.max(np.abs(want)), name

@@ -80,3 +80,28 @@ def test_a_packed_row_equals_each_document_alone_across_devices():
       alone = alone_fn(q[:, a:b], k[:, a:b], v[:, a:b], w, causal=causal,
                        log_gate=None if gate is None else gate[:, a:b])
       np.testing.assert_allclose(packed[:, a:b], alone, rtol=2e-5, atol=2e-5, err_msg=f"{causal} {a}:{b}")
+
+
+def test_bad_gates_poison_the_rows_one_device_poisons(length=45):
+  """A NaN, +inf or positive log gate (issue 48): NaN in exactly the rows favor_attention on one device makes NaN
+  (those that may see it: up to the next reset, across devices), every other row equal to it. L = 45: padded
+  to 48 on 8 devices."""
+  q, k, v, w = (x[:, :length] if x.ndim == 4 else x for x in _inputs())
+  ids = IDS[:, :length]
+  g = (_log_gate(length=length).at[0, 3, 0].set(jnp.nan)  # device 0, before the segment boundary at 13
+       .at[0, 20, 1].set(jnp.inf)  # device 3, inside segment 1: rows 20..23 of head 1, not segment 2
+       .at[1, 30, 0].set(0.25)  # device 5: rows up to the next reset of head 0
+       .at[1, 35, 0].set(-jnp.inf)  # ... which is here
+       .at[1, length - 1, 1].set(jnp.nan))  # the last position: its own row only
+  mask = jax.random.bernoulli(jax.random.PRNGKey(9), 0.8, (B, length))
+  for segment_ids in (None, ids):
+    sp = parallel.sequence_parallel_attention(q, k, v, w, mesh=_mesh(), axis_name="seq", causal=True,
+                                              key_mask=mask, chunk_size=4, log_gate=g, segment_ids=segment_ids)
+    one = core.favor_attention(q, k, v, w, causal=True, key_mask=mask, chunk_size=4, log_gate=g,
+                               segment_ids=segment_ids)
+    rows_sp, rows_one = np.isnan(sp).any(-1), np.isnan(one).any(-1)
+    assert rows_one.sum() >= 4 + (segment_ids is None) * 8, rows_one.sum()  # the cases above poison rows
+    np.testing.assert_array_equal(rows_sp, rows_one)
+    np.testing.assert_array_equal(np.isnan(sp), np.isnan(one))  # a poisoned row is NaN whole
+    np.testing.assert_allclose(np.where(rows_one[..., None], 0.0, sp), np.where(rows_one[..., None], 0.0, one),
+                               rtol=1e-5, atol=1e-5)
