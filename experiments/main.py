@@ -47,6 +47,7 @@ flags.mark_flags_as_required(["config", "workdir"])
 # plot(records, config, workdir)
 STUDIES = {
     "approximation": "experiments.approximation",
+    "precision": "experiments.precision",
     "activations": "experiments.activations",
     "tradeoff": "experiments.tradeoff",
     "speed": "experiments.speed",
