@@ -54,6 +54,13 @@ def check_study(config) -> None:
       raise ValueError(f"config.scales must hold finite numbers > 0, got {scale!r}")
   for field in ("seq_len", "dim", "heads", "num_features", "num_draws", "chunk_size"):
     tasks.positive_int(f"config.{field}", config[field])
+  for field in ("kernels", "scales"):
+    values = list(config[field])
+    repeated = sorted({str(v) for v in values if values.count(v) > 1})
+    if repeated:  # the summary looks records up by (kernel, scale): a repeat would show another's numbers
+      raise ValueError(f"config.{field} must not repeat a value, got {repeated} more than once")
+  if isinstance(config.seed, bool) or not isinstance(config.seed, int) or config.seed < 0:
+    raise ValueError(f"config.seed must be an int >= 0, got {config.seed!r}")
 
 
 def run(config, progress=print, workdir=None):
