@@ -35,7 +35,7 @@ def attend(query, key, value, projection, settings: FavorSettings, *, causal: bo
   kwargs.update(gates.gate_kwargs(log_gate, segment_ids))
   if settings.sequence_axis is not None:
     if rho is None and is_data_dependent(settings.kernel):
-      kwargs["rho"] = statistic.statistic_of(settings.kernel, query, key, key_mask, query_mask)
+      kwargs["rho"] = statistic.statistic_of(settings.kernel, query, key, key_mask, query_mask, settings.precision)
     return parallel.sequence_parallel_attention(query, key, value, projection, mesh=settings.mesh,
                                                 axis_name=settings.sequence_axis, batch_axis=settings.batch_axis,
                                                 **kwargs)

@@ -290,7 +290,7 @@ class FavorAttention(nn.MultiHeadDotProductAttention):
                                       mutable=self.is_mutable_collection("favor"))
     if train:
       stat.value = statistic.updated_statistic(self.kernel, used, query, key, key_mask, settings.rho_momentum,
-                                               query_mask)
+                                               query_mask, settings.precision)
     return used
 
   def _decode(self, settings, query, key, value, projection, key_mask, rho, log_gate, segment_ids):

@@ -321,7 +321,8 @@ class FavorAttention(nnx.MultiHeadAttention):
       statistic.check_running_statistic(self.kernel, train=not deterministic, decode=decode)
       if not deterministic:
         self.statistic.set_value(
-            statistic.updated_statistic(self.kernel, rho, query, key, key_mask, self.rho_momentum, query_mask))
+            statistic.updated_statistic(self.kernel, rho, query, key, key_mask, self.rho_momentum, query_mask,
+                                        self.settings.precision))
     projection = self._projection()
     logit = None if self.forget_gate is None else self.forget_gate(inputs_k.astype(jnp.float32))
     log_gate = gates.layer_log_gate(logit, self.settings.alibi, key.shape[:-1])

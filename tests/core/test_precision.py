@@ -136,6 +136,11 @@ def test_layers_pass_flax_precision_to_every_dot():
     cases = [(lambda p, x, m=m: jnp.sum(m.apply(p, x) ** 2), jax.eval_shape(m.init, jax.random.PRNGKey(0), x))
              for m in (linen, mha)]
     cases.append((lambda s, x: jnp.sum(nnx.merge(graph, s)(x) ** 2), state))
+    # a running statistic updated in training (FAVOR++'s ρ: dots on the data outside the attention call)
+    oprf = favor_linen.FavorAttention(num_heads=2, qkv_features=8, num_features=8, causal=True, chunk_size=4,
+                                      kernel="optimal_positive", precision=precision, deterministic=False)
+    cases.append((lambda p, x: jnp.sum(oprf.apply(p, x, mutable=["favor"])[0] ** 2),
+                  jax.eval_shape(oprf.init, jax.random.PRNGKey(0), x)))
     for loss, params in cases:
       found = _precisions(jax.grad(loss, argnums=1), params, x)  # the forward's dots and their transposes
       assert found and all(p == want for p in found), (precision, sorted(set(map(str, found))))
