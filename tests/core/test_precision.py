@@ -141,6 +141,8 @@ def test_layers_pass_flax_precision_to_every_dot():
                                       kernel="optimal_positive", precision=precision, deterministic=False)
     cases.append((lambda p, x: jnp.sum(oprf.apply(p, x, mutable=["favor"])[0] ** 2),
                   jax.eval_shape(oprf.init, jax.random.PRNGKey(0), x)))
+    q, k, _ = _inputs()  # Hedgehog's distillation: the fitted map's gradient
+    cases.append((lambda w, x: layers.distillation_loss(q, k, w, causal=True, precision=precision), W))
     for loss, params in cases:
       found = _precisions(jax.grad(loss, argnums=1), params, x)  # the forward's dots and their transposes
       assert found and all(p == want for p in found), (precision, sorted(set(map(str, found))))
