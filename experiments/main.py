@@ -47,6 +47,7 @@ flags.mark_flags_as_required(["config", "workdir"])
 # plot(records, config, workdir)
 STUDIES = {
     "approximation": "experiments.studies.approximation",
+    "precision": "experiments.studies.precision",
     "activations": "experiments.studies.activations",
     "tradeoff": "experiments.studies.tradeoff",
     "speed": "experiments.studies.speed",

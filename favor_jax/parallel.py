@@ -30,6 +30,7 @@ from favor_jax.core import causal_xla, checks, inputs
 from favor_jax.core import features as features_lib
 from favor_jax.core import gates as gates_lib
 from favor_jax.core import hybrid as hybrid_lib
+from favor_jax.core import precision as precision_lib
 from favor_jax.core import state as state_lib
 
 __all__ = ["sequence_parallel_attention", "communication_bytes"]
@@ -43,6 +44,7 @@ def _check_axis(mesh: Mesh, axis, argument: str = "axis_name") -> int:
   return mesh.shape[axis]
 
 
+@precision_lib.honoured
 def sequence_parallel_attention(
     query: Float[Array, "... L H D"],
     key: Float[Array, "... L H D"],
@@ -59,6 +61,7 @@ def sequence_parallel_attention(
     chunk_size: int = 64,
     log_gate: Float[Array, "... L H"] | None = None,
     segment_ids: Int[Array, "... L"] | None = None,
+    precision: jax.lax.PrecisionLike = None,
 ) -> Float[Array, "... L H Dv"]:
   """Computes :func:`~favor_jax.core.favor_attention` with the sequence split over a mesh axis.
 
@@ -99,6 +102,7 @@ def sequence_parallel_attention(
     log_gate: optional float [..., L, H], the log of a forget gate per position and head, causal
       only, as in :func:`~favor_jax.core.favor_attention`.
     segment_ids: optional int [..., L], packed documents, as in :func:`~favor_jax.core.favor_attention`.
+    precision: the precision of every dot product of the call, as in :func:`~favor_jax.core.favor_attention`.
 
   Returns:
     The attention output, shape [..., L, H, Dv], in the inputs' dtype; sharded

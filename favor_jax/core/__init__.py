@@ -9,7 +9,8 @@ flattened, non-finite inputs: the envelope around the algorithm) → ``features`
 ``bidirectional``, ``causal`` (``causal_method`` chosen in one place) over
 ``causal_xla`` (XLA passes) and ``fused`` (Pallas), or ``hybrid`` (local exact +
 global kernel) → ``state`` (the log-domain state of keys, its read-out and the
-guarded division) → the output, back through ``inputs``.
+guarded division) → the output, back through ``inputs``. ``precision`` puts the
+call's ``precision`` argument in force for every dot of the call, forward and backward.
 
 Shape letters, used in names inside the math (``phi_q_NHlF``) and in the
 jaxtyping annotations of public signatures:

@@ -19,6 +19,7 @@ from favor_jax.core import checks, inputs
 from favor_jax.core import features as features_lib
 from favor_jax.core import gates as gates_lib
 from favor_jax.core import hybrid as hybrid_lib
+from favor_jax.core import precision as precision_lib
 from favor_jax.core import state as state_lib
 from favor_jax.core.features import for_call as _feature_fn  # (tests and experiments/studies/blocks.py read it here)
 
@@ -27,6 +28,7 @@ __all__ = [
 ]
 
 
+@precision_lib.honoured
 def softmax_attention(
     query: Float[Array, "... Lq H D"],
     key: Float[Array, "... Lk H D"],
@@ -36,6 +38,7 @@ def softmax_attention(
     key_mask: Bool[Array, "... Lk"] | None = None,
     log_gate: Float[Array, "... L H"] | None = None,
     segment_ids: Int[Array, "... L"] | None = None,
+    precision: jax.lax.PrecisionLike = None,
 ) -> Float[Array, "... Lq H Dv"]:
   """Computes exact attention softmax(q kᵀ/√d) v, the reference FAVOR estimates.
 
@@ -53,6 +56,7 @@ def softmax_attention(
     log_gate: optional float [..., L, H], the log of a forget gate per position and head, causal
       only, as in :func:`~favor_jax.core.favor_attention`.
     segment_ids: optional int [..., L], packed documents, as in :func:`~favor_jax.core.favor_attention`.
+    precision: the precision of every dot product of the call, as in :func:`favor_attention`.
 
   Returns:
     The output, shape [..., Lq, H, Dv], in the inputs' dtype; 0 in a row that can see no key (all masked).
@@ -82,10 +86,11 @@ def softmax_attention(
   return inputs.envelope(exact, query, key, value, key_mask, causal=causal, in_range=False, gates=gates)
 
 
-def _linear(features, query, key, value, key_mask, causal, causal_method, chunk_size, in_range=True, gates=None):
+def _linear(features, query, key, value, key_mask, causal, causal_method, chunk_size, in_range=True, gates=None,
+            precision=None):
   """Normalised linear attention by ``features`` in the input envelope: the bidirectional pass (within
   segments: ``hybrid.segmented``), or the causal one ``causal_method`` chooses (arguments checked by the
-  caller); ``gates`` a ``gates.Gates``."""
+  caller); ``gates`` a ``gates.Gates``; ``precision`` (checked) handed to the causal pass."""
   def algorithm(q, k, v, mask):
     v = v.astype(jnp.float32)
     if not causal and gates is not None:
@@ -93,11 +98,12 @@ def _linear(features, query, key, value, key_mask, causal, causal_method, chunk_
     if not causal:
       return bidirectional_lib.bidirectional(features, q, k, v, mask, divide=True)
     return causal_lib.attend(features, q, k, v, mask, causal_method=causal_method, chunk_size=chunk_size,
-                             gate=None if gates is None else gates.log)
+                             gate=None if gates is None else gates.log, precision=precision)
 
   return inputs.envelope(algorithm, query, key, value, key_mask, causal=causal, in_range=in_range, gates=gates)
 
 
+@precision_lib.honoured
 def linear_attention(
     query_features: Float[Array, "... Lq H F"],
     key_features: Float[Array, "... Lk H F"],
@@ -109,6 +115,7 @@ def linear_attention(
     chunk_size: int = 64,
     log_gate: Float[Array, "... L H"] | None = None,
     segment_ids: Int[Array, "... L"] | None = None,
+    precision: jax.lax.PrecisionLike = None,
 ) -> Float[Array, "... Lq H Dv"]:
   """Computes normalised linear attention from given features: ``out_t = Σ_j (φ_tᵀψ_j) v_j / Σ_j φ_tᵀψ_j``.
 
@@ -130,6 +137,7 @@ def linear_attention(
     log_gate: optional float [..., L, H], the log of a forget gate per position and head, causal
       only, as in :func:`~favor_jax.core.favor_attention`.
     segment_ids: optional int [..., L], packed documents, as in :func:`~favor_jax.core.favor_attention`.
+    precision: the precision of every dot product of the call, as in :func:`favor_attention`.
 
   Returns:
     The output, shape [..., Lq, H, Dv], in the inputs' dtype.
@@ -147,9 +155,10 @@ def linear_attention(
   chunk_size = checks.check_chunk_size(chunk_size)
   gates = gates_lib.prepare(log_gate, segment_ids, query_features, causal, method=causal_method)
   return _linear(features_lib.as_given(), query_features, key_features, value, key_mask, causal, causal_method,
-                 chunk_size, in_range=False, gates=gates)
+                 chunk_size, in_range=False, gates=gates, precision=precision)
 
 
+@precision_lib.honoured
 def favor_attention(
     query: Float[Array, "... Lq H D"],
     key: Float[Array, "... Lk H D"],
@@ -165,6 +174,7 @@ def favor_attention(
     query_mask: Bool[Array, "... Lq"] | None = None,
     log_gate: Float[Array, "... L H"] | None = None,
     segment_ids: Int[Array, "... L"] | None = None,
+    precision: jax.lax.PrecisionLike = None,
 ) -> Float[Array, "... Lq H Dv"]:
   """Computes FAVOR attention in linear time: ``out = D⁻¹ (φ(Q) (φ(K)ᵀ V))``, ``D = diag(φ(Q) (φ(K)ᵀ 1))``.
 
@@ -201,6 +211,10 @@ def favor_attention(
       entry makes the rows that may see it NaN.
     segment_ids: optional int [..., L]: packed documents; a segment is a run of equal consecutive ids, and
       no query attends across a segment boundary.
+    precision: the precision of every dot product of the call, forward and backward (a
+      ``jax.lax.PrecisionLike``: ``"highest"``, ``jax.lax.Precision.HIGH``, a ``jax.lax.DotAlgorithmPreset``);
+      None: the backend's default (one bfloat16 pass for float32 on TPU, TF32 on recent GPUs; what that does
+      to each estimator: docs/guarantees.md).
 
   Returns:
     The output, shape [..., Lq, H, Dv], in the inputs' dtype.
@@ -215,7 +229,8 @@ def favor_attention(
     ValueError: if shapes disagree, a length is 0, ``causal`` with Lq ≠ Lk, the kernel is unknown or gets a
       projection it does not take or lacks one it needs, a causal data-dependent kernel lacks ``rho``, a
       concrete ``rho`` is invalid, ``causal_method`` is unknown (or ``"pallas"`` when not causal),
-      ``chunk_size`` is not a positive int, or a second derivative is taken through ``"pallas"``.
+      ``chunk_size`` is not a positive int, ``precision`` is not a ``jax.lax.PrecisionLike`` one call's dots can
+      all take (a pair of different precisions), or a second derivative is taken through ``"pallas"``.
 
   References:
     Choromanski et al. 2021, "Rethinking Attention with Performers" (ICLR).
@@ -226,9 +241,11 @@ def favor_attention(
   gates = gates_lib.prepare(log_gate, segment_ids, query, causal, method=causal_method)
   features = _feature_fn(kernel, projection, rho, query, key, key_mask, causal, blocked=gates is not None,
                          query_mask=query_mask)
-  return _linear(features, query, key, value, key_mask, causal, causal_method, chunk_size, gates=gates)
+  return _linear(features, query, key, value, key_mask, causal, causal_method, chunk_size, gates=gates,
+                 precision=precision)
 
 
+@precision_lib.honoured
 def hybrid_attention(
     query: Float[Array, "... Lq H D"],
     key: Float[Array, "... Lk H D"],
@@ -244,6 +261,7 @@ def hybrid_attention(
     query_mask: Bool[Array, "... Lq"] | None = None,
     log_gate: Float[Array, "... L H"] | None = None,
     segment_ids: Int[Array, "... L"] | None = None,
+    precision: jax.lax.PrecisionLike = None,
 ) -> Float[Array, "... Lq H Dv"]:
   """Computes attention with exact softmax weights near each query and a kernel's estimate elsewhere.
 
@@ -276,6 +294,7 @@ def hybrid_attention(
     log_gate: optional float [..., L, H], the log of a forget gate per position and head, causal
       only, as in :func:`~favor_jax.core.favor_attention`.
     segment_ids: optional int [..., L], packed documents, as in :func:`~favor_jax.core.favor_attention`.
+    precision: the precision of every dot product of the call, as in :func:`favor_attention`.
 
   Returns:
     The output, shape [..., Lq, H, Dv], in the inputs' dtype.
@@ -297,7 +316,8 @@ def hybrid_attention(
   features = _feature_fn(kernel, projection, rho, query, key, key_mask, causal,
                          blocked=window > 0 or gates is not None, query_mask=query_mask)
   if window == 0:
-    return _linear(features, query, key, value, key_mask, causal, "auto", chunk_size, gates=gates)
+    return _linear(features, query, key, value, key_mask, causal, "auto", chunk_size, gates=gates,
+                   precision=precision)
 
   def algorithm(q, k, v, mask):
     q, k, v = (x.astype(jnp.float32) for x in (q, k, v))

@@ -12,6 +12,7 @@ see :mod:`favor_jax.core`.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -19,6 +20,7 @@ import jax.numpy as jnp
 
 from favor_jax.core import gates as gates_lib
 from favor_jax.core import inputs
+from favor_jax.core import precision as precision_lib
 from favor_jax.core import state as state_lib
 from favor_jax.core.features import head_major
 from favor_jax.core.kernels import LogFeatures
@@ -121,7 +123,8 @@ def _chunked_block(features, chunk, carry, q, k, v, mask, gate=None, key_offset=
     grouped = lambda x: None if x is None else jnp.moveaxis(x, 2, 0).reshape((length // g, g) + x.shape[:2]
                                                                             + x.shape[3:])
     g_NHl1 = None if gate is None else jnp.swapaxes(gate, 1, 2)[..., None]
-    state, y = _token_groups(carry, tuple(map(grouped, (log_q, mult_q, log_k, mult_k, v_NHlD, g_NHl1))))
+    xs = tuple(map(grouped, (log_q, mult_q, log_k, mult_k, v_NHlD, g_NHl1)))
+    state, y = _token_groups(precision_lib.current(), carry, xs)
     return state, jnp.moveaxis(y.reshape((length,) + y.shape[2:]), 0, 2)
 
   state, y_NHlE = jax.lax.cond(safe, one_product, per_token, carry)
@@ -140,41 +143,45 @@ def _token_group(state, xs):
   return jax.lax.scan(_token_step, state, xs)
 
 
-@jax.custom_vjp
-def _token_groups(carry, xs):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _token_groups(precision, carry, xs):
   """The per-token recurrence over groups of tokens ([groups, g, ...] inputs): (final state, rows).
 
   Its own VJP keeps only its inputs: the chunked pass runs it as one branch of a ``lax.cond``, whose
   backward allocates every branch's residuals whichever ran, so stored states would be a cost of every
   block. The backward recomputes one state per group, then differentiates group by group in reverse
-  (one group's per-token states at a time).
+  (one group's per-token states at a time). ``precision``: the dots' (``precision.current()`` where the pass
+  is traced), in force again in the forward and backward rules, which may be traced later.
   """
-  return jax.lax.scan(_token_group, carry, xs)
+  with precision_lib.scope(precision):
+    return jax.lax.scan(_token_group, carry, xs)
 
 
-def _token_groups_fwd(carry, xs):
-  return _token_groups(carry, xs), (carry, xs)
+def _token_groups_fwd(precision, carry, xs):
+  return _token_groups(precision, carry, xs), (carry, xs)
 
 
-def _token_groups_bwd(res, cts):
+def _token_groups_bwd(precision, res, cts):
   carry, xs = res
   ct_state, ct_y = cts
-  _, starts = jax.lax.scan(lambda state, x: (_token_group(state, x)[0], state), carry, xs)
 
   def back(ct_end, inputs):
     start, x, ct_y_group = inputs
     _, vjp = jax.vjp(_token_group, start, x)
     return vjp((ct_end, ct_y_group))
 
-  return jax.lax.scan(back, ct_state, (starts, xs, ct_y), reverse=True)
+  with precision_lib.scope(precision):
+    _, starts = jax.lax.scan(lambda state, x: (_token_group(state, x)[0], state), carry, xs)
+    return jax.lax.scan(back, ct_state, (starts, xs, ct_y), reverse=True)
 
 
 _token_groups.defvjp(_token_groups_fwd, _token_groups_bwd)
 
 
+@precision_lib.honoured
 def chunked(features, q, k, v, mask, *, chunk_size: int = 64, block_chunks: int = 4, state=None,
             return_state: bool = False, return_scale: bool = False, divide: bool = False, gate=None,
-            key_offset=None):
+            key_offset=None, precision=None):
   """Chunked causal linear attention: O(L·C·(F+Dv)) inside chunks, O(L·F·Dv) across them.
 
   Blocks of ``block_chunks`` chunks run under ``lax.scan`` with a
@@ -189,6 +196,7 @@ def chunked(features, q, k, v, mask, *, chunk_size: int = 64, block_chunks: int 
   several [N, L, H, Dv] temporaries on XLA:CPU). ``gate`` [N, L, H]: log forget gates (−∞: a reset), see
   :mod:`favor_jax.core.gates`; the state decays by e^{g_t} before key t joins (also a given ``state``).
   ``key_offset`` [N, L, H] (with ``gate``): a log-decay each key carries in (see ``hybrid.side``).
+  ``precision``: of every dot, forward and backward (None: the one in force, see :mod:`favor_jax.core.precision`).
   """
   if divide and (return_state or return_scale):
     raise ValueError("chunked(divide=True) returns the output only: return_state and return_scale must be False")
@@ -260,9 +268,10 @@ def advance(state: RecurrentState, fq, fk, v, mask=None, *, gate=None, with_scal
   return out + (scale[..., 0],) if with_scale else out
 
 
-def scan(features, q, k, v, mask, *, gate=None):
+@precision_lib.honoured
+def scan(features, q, k, v, mask, *, gate=None, precision=None):
   """The Performer paper's per-token recurrence (one ``lax.scan`` step per position), for comparison;
-  ``gate`` [N, L, H] as in :func:`chunked`."""
+  ``gate`` [N, L, H] and ``precision`` as in :func:`chunked`."""
   fq, fk = features.fn(q, k)
 
   def step(state, x):
@@ -276,9 +285,10 @@ def scan(features, q, k, v, mask, *, gate=None):
   return jnp.moveaxis(num, 0, 1), jnp.moveaxis(den, 0, 1)
 
 
-def cumsum(features, q, k, v, mask, *, gate=None):
+@precision_lib.honoured
+def cumsum(features, q, k, v, mask, *, gate=None, precision=None):
   """Materialised prefix states S_t = Σ_{j≤t} φ(k_j)[v_j, 1]ᵀ: O(L·F·Dv) memory, for comparison; ``gate``
-  [N, L, H] as in :func:`chunked` (prefixes of the gated monoid ``gates.combine``)."""
+  [N, L, H] and ``precision`` as in :func:`chunked` (prefixes of the gated monoid ``gates.combine``)."""
   fq, fk = features.fn(q, k)
   log_k, mult_k = state_lib.parts(fk, state_lib.keep_rows(mask))
   m = jax.lax.stop_gradient(log_k)

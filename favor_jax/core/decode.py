@@ -16,6 +16,7 @@ from favor_jax.core import features as features_lib
 from favor_jax.core import gates as gates_lib
 from favor_jax.core import hybrid as hybrid_lib
 from favor_jax.core import kernels as kernels_lib
+from favor_jax.core import precision as precision_lib
 from favor_jax.core import state as state_lib
 from favor_jax.core.features import for_call as _feature_fn
 
@@ -97,6 +98,7 @@ def _check_state(state, want):
   return state
 
 
+@precision_lib.honoured
 def favor_decode_step(
     state: state_lib.RecurrentState | hybrid_lib.HybridState,
     query: Float[Array, "... l H D"],
@@ -111,6 +113,7 @@ def favor_decode_step(
     window: int = 0,
     log_gate: Float[Array, "... l H"] | None = None,
     segment_ids: Int[Array, "... l"] | None = None,
+    precision: jax.lax.PrecisionLike = None,
 ) -> tuple[state_lib.RecurrentState | hybrid_lib.HybridState, Float[Array, "... l H Dv"]]:
   """Continues causal FAVOR attention from ``state`` by l ≥ 1 tokens, with O(M·Dv) state per head.
 
@@ -139,6 +142,7 @@ def favor_decode_step(
       only, as in :func:`~favor_jax.core.favor_attention`.
     segment_ids: optional int [..., l], packed documents, as in :func:`~favor_jax.core.favor_attention`.
       A new id resets the state (the state records the last id): pass ids on every step or on none.
+    precision: the precision of every dot product of the call, as in :func:`~favor_jax.core.favor_attention`.
 
   Returns:
     ``(new_state, out)``: the state after these tokens (NaN once a non-finite key or value was seen) and

@@ -17,6 +17,7 @@ from favor_jax.core import checks, inputs
 from favor_jax.core import features as features_lib
 from favor_jax.core import gates as gates_lib
 from favor_jax.core import kernels as kernels_lib
+from favor_jax.core import precision as precision_lib
 from favor_jax.core import state as state_lib
 
 __all__ = ["attention_weights"]
@@ -49,6 +50,7 @@ def _kernel_log_weights(fq, fk):
   return merge(log_w), merge(sign)
 
 
+@precision_lib.honoured
 def attention_weights(
     query: Float[Array, "... Lq H D"],
     key: Float[Array, "... Lk H D"],
@@ -63,6 +65,7 @@ def attention_weights(
     log: bool = False,
     log_gate: Float[Array, "... L H"] | None = None,
     segment_ids: Int[Array, "... L"] | None = None,
+    precision: jax.lax.PrecisionLike = None,
 ) -> Float[Array, "... H Lq Lk"]:
   """Computes the normalised weights A [..., H, Lq, Lk] with out = A v, as the attention functions do.
 
@@ -93,6 +96,7 @@ def attention_weights(
     log_gate: optional float [..., L, H], the log of a forget gate per position and head, causal
       only, as in :func:`~favor_jax.core.favor_attention`.
     segment_ids: optional int [..., L], packed documents, as in :func:`~favor_jax.core.favor_attention`.
+    precision: the precision of every dot product of the call, as in :func:`~favor_jax.core.favor_attention`.
 
   Returns:
     A (or log A), float32, shape [..., H, Lq, Lk].

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 from jaxtyping import Array, Float
 
 from favor_jax import core
+from favor_jax.core import precision as precision_lib
 from favor_jax.layers.attend import attend
 from favor_jax.layers.gates import layer_log_gate
-from favor_jax.layers.inputs import check_dropout, key_mask_from_flax, precision_scope
+from favor_jax.layers.inputs import check_dropout, key_mask_from_flax
 from favor_jax.layers.settings import FavorSettings
 
 
@@ -55,7 +57,8 @@ def make_attention_fn(
   Returns:
     ``attention_fn(query, key, value, bias=None, mask=None, ...)`` with Flax's signature: query
     [..., Lq, H, D], key [..., Lk, H, D], value [..., Lk, H, Dv] to the output [..., Lq, H, Dv] (in ``dtype``
-    when given).
+    when given); its ``precision`` (Flax's module passes its own) is that of every dot of the
+    attention, as in :func:`~favor_jax.core.favor_attention`.
 
   Raises:
     ValueError: here, for ``forget_gate=True`` or an invalid setting (as ``FavorSettings.build`` checks:
@@ -103,9 +106,10 @@ def make_attention_fn(
       raise ValueError("alibi=True needs causal attention (a forget gate decays the keys before a query): make "
                        "the attention_fn with causal=True or call it with is_causal=True")
     log_gate = layer_log_gate(None, alibi, query.shape[:-1])
-    with precision_scope(precision):
-      out = attend(query, key, value, projection, settings, causal=causal_now,
-                   key_mask=key_mask_from_flax(mask, key), rho=rho, log_gate=log_gate)
+    # Flax's precision of this call (its projections take it too) for every dot of the attention core.
+    call_settings = dataclasses.replace(settings, precision=precision_lib.check(precision))
+    out = attend(query, key, value, projection, call_settings, causal=causal_now,
+                 key_mask=key_mask_from_flax(mask, key), rho=rho, log_gate=log_gate)
     return out if dtype is None else out.astype(dtype)
 
   return attention_fn

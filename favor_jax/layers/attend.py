@@ -30,11 +30,12 @@ def attend(query, key, value, projection, settings: FavorSettings, *, causal: bo
     [..., L, H, Dv].
   """
   causal = settings.causal if causal is None else causal
-  kwargs = dict(kernel=settings.kernel, causal=causal, key_mask=key_mask, rho=rho, chunk_size=settings.chunk_size)
+  kwargs = dict(kernel=settings.kernel, causal=causal, key_mask=key_mask, rho=rho, chunk_size=settings.chunk_size,
+                precision=settings.precision)
   kwargs.update(gates.gate_kwargs(log_gate, segment_ids))
   if settings.sequence_axis is not None:
     if rho is None and is_data_dependent(settings.kernel):
-      kwargs["rho"] = statistic.statistic_of(settings.kernel, query, key, key_mask, query_mask)
+      kwargs["rho"] = statistic.statistic_of(settings.kernel, query, key, key_mask, query_mask, settings.precision)
     return parallel.sequence_parallel_attention(query, key, value, projection, mesh=settings.mesh,
                                                 axis_name=settings.sequence_axis, batch_axis=settings.batch_axis,
                                                 **kwargs)

@@ -19,6 +19,7 @@ def distillation_loss(
     key_mask: Bool[Array, "... L"] | None = None,
     query_mask: Bool[Array, "... L"] | None = None,
     rho: Float[Array, "... H"] | Float[Array, "... H D+1"] | None = None,
+    precision: jax.lax.PrecisionLike = None,
 ) -> Float[Array, ""]:
   """Computes Hedgehog's distillation loss: the cross-entropy of the kernel's attention weights against softmax's.
 
@@ -50,6 +51,8 @@ def distillation_loss(
     query_mask: optional bool [..., L]; False leaves a query (padding) out of the mean and of a
       data-dependent kernel's statistic, whatever it holds.
     rho: a data-dependent kernel's statistic, as in :func:`~favor_jax.core.attention_weights`.
+    precision: the precision of every dot product, forward and backward, as in
+      :func:`~favor_jax.core.favor_attention` (both sides' weights).
 
   Returns:
     The loss, a float32 scalar.
@@ -74,9 +77,10 @@ def distillation_loss(
   if query_mask is not None:  # a padded query's values (NaN included) reach neither the loss nor its gradient
     query = jnp.where(query_mask[..., None, None], query, jnp.zeros((), query.dtype))
   log_target = jax.lax.stop_gradient(
-      core.attention_weights(query, key, kernel="softmax", causal=causal, key_mask=key_mask, log=True))
+      core.attention_weights(query, key, kernel="softmax", causal=causal, key_mask=key_mask, log=True,
+                             precision=precision))
   log_weights = core.attention_weights(query, key, feature_map, kernel=kernel, causal=causal, key_mask=key_mask,
-                                       rho=rho, query_mask=query_mask, log=True)
+                                       rho=rho, query_mask=query_mask, log=True, precision=precision)
   rows = jnp.any(~jnp.isneginf(log_target), axis=-1)  # [..., H, L]: sees a key (a NaN row included: NaN loss)
   if query_mask is not None:
     rows = rows & jnp.expand_dims(query_mask, -2)

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
-
-import jax
 import jax.numpy as jnp
 from jaxtyping import Array
 
@@ -81,17 +78,6 @@ def check_dropout(dropout_rate, deterministic) -> None:
         f"attention dropout (dropout_rate={dropout_rate}) is not supported by FAVOR attention: "
         "there are no explicit attention weights to drop. Use dropout_rate=0.0 (or "
         "deterministic=True) and put dropout on the attention output instead.")
-
-
-def precision_scope(precision):
-  """Honours Flax's ``precision`` argument as JAX's default matmul precision for the call."""
-  if precision is None:
-    return contextlib.nullcontext()
-  if isinstance(precision, jax.lax.Precision):
-    precision = {"DEFAULT": "default", "HIGH": "high", "HIGHEST": "highest"}[precision.name]
-  if not isinstance(precision, str):
-    raise ValueError(f"precision must be None, a jax.lax.Precision or a string, got {precision!r}")
-  return jax.default_matmul_precision(precision)
 
 
 def transform_qk(qk_transform, query, key):

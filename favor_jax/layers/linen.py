@@ -102,7 +102,8 @@ class FavorAttention(nn.MultiHeadDotProductAttention):
   Takes every attribute of ``flax.linen.MultiHeadDotProductAttention`` (but ``attention_fn`` and the
   attention-weight einsum classes, which it refuses) and the same parameter tree, plus those below. The
   settings are checked once per module instance (its first call), raising ValueError or TypeError naming
-  the attribute.
+  the attribute. Flax's ``precision`` is that of every dot: the q/k/v/out projections and
+  the attention core (``core.favor_attention``'s ``precision``; None: the backend's default).
 
   Attributes:
     num_features: M, the random projection's rows; None: 256. Refused by kernels without a random
@@ -174,7 +175,7 @@ class FavorAttention(nn.MultiHeadDotProductAttention):
         chunk_size=self.chunk_size, window=self.window, qk_head_dim=self.qk_head_dim,
         rho_momentum=self.rho_momentum, decode=self.decode, qk_transform=self.qk_transform, mesh=self.mesh,
         sequence_axis=self.sequence_axis, batch_axis=self.batch_axis, forget_gate=self.forget_gate,
-        alibi=self.alibi)
+        alibi=self.alibi, precision=self.precision)
 
   @nn.compact
   def __call__(self, inputs_q, inputs_k=None, inputs_v=None, *, mask=None, deterministic=None,
@@ -240,12 +241,11 @@ class FavorAttention(nn.MultiHeadDotProductAttention):
     deterministic = inputs.resolve_deterministic(self.dropout_rate, self.deterministic, deterministic)
     key_mask, query_mask = inputs.padding_masks(mask, inputs_q, inputs_k, key, query_mask, query)
     rho = self._running_statistic(settings, query, key, key_mask, query_mask, train=not deterministic)
-    with inputs.precision_scope(self.precision):
-      if self.decode:
-        x = self._decode(settings, query, key, value, projection, key_mask, rho, log_gate, segment_ids)
-      else:
-        x = attend(query, key, value, projection, settings, key_mask=key_mask, query_mask=query_mask, rho=rho,
-                   log_gate=log_gate, segment_ids=segment_ids)
+    if self.decode:
+      x = self._decode(settings, query, key, value, projection, key_mask, rho, log_gate, segment_ids)
+    else:
+      x = attend(query, key, value, projection, settings, key_mask=key_mask, query_mask=query_mask, rho=rho,
+                 log_gate=log_gate, segment_ids=segment_ids)
     return nn.DenseGeneral(
         features=features, axis=(-2, -1), kernel_init=self.out_kernel_init or self.kernel_init,
         bias_init=self.out_bias_init or self.bias_init, use_bias=self.use_bias, dtype=self.dtype,
@@ -291,7 +291,7 @@ class FavorAttention(nn.MultiHeadDotProductAttention):
                                       mutable=self.is_mutable_collection("favor"))
     if train:
       stat.value = statistic.updated_statistic(self.kernel, used, query, key, key_mask, settings.rho_momentum,
-                                               query_mask)
+                                               query_mask, settings.precision)
     return used
 
   def _decode(self, settings, query, key, value, projection, key_mask, rho, log_gate, segment_ids):
@@ -317,7 +317,7 @@ class FavorAttention(nn.MultiHeadDotProductAttention):
     state = state_type(*(c.value for c in cache))
     state, x = core.favor_decode_step(state, query, key, value, projection, kernel=self.kernel, key_mask=key_mask,
                                       rho=rho, chunk_size=self.chunk_size, window=self.window,
-                                      **gates.gate_kwargs(log_gate, segment_ids))
+                                      precision=settings.precision, **gates.gate_kwargs(log_gate, segment_ids))
     for c, new in zip(cache, state):
       c.value = new
     return x

@@ -120,7 +120,8 @@ class FavorAttention(nnx.MultiHeadAttention):
       log gates add.
     rngs: ``nnx.Rngs`` for the parameters and the projection's draw.
     **flax_kwargs: the other arguments of ``nnx.MultiHeadAttention`` (``decode``, ``dropout_rate``,
-      ``normalize_qk``, initialisers, dtypes, ...), but ``attention_fn``.
+      ``normalize_qk``, initialisers, dtypes, ``precision`` (of every dot: the projections and the attention
+      core, as ``core.favor_attention``'s), ...), but ``attention_fn``.
 
   Raises:
     ValueError: for ``attention_fn``, ``num_kv_heads`` ≠ ``num_heads``, or an invalid setting (named).
@@ -149,7 +150,8 @@ class FavorAttention(nnx.MultiHeadAttention):
         kernel=kernel, num_features=num_features, projection=projection, per_head_projection=per_head_projection,
         causal=causal, causal_method=causal_method, chunk_size=chunk_size, window=window, qk_head_dim=qk_head_dim,
         rho_momentum=rho_momentum, decode=flax_kwargs.get("decode", False), qk_transform=qk_transform, mesh=mesh,
-        sequence_axis=sequence_axis, batch_axis=batch_axis, forget_gate=forget_gate, alibi=alibi)
+        sequence_axis=sequence_axis, batch_axis=batch_axis, forget_gate=forget_gate, alibi=alibi,
+        precision=flax_kwargs.get("precision"))
     super().__init__(num_heads, in_features, qkv_features, out_features, rngs=rngs, **flax_kwargs)
     self.settings = settings
     self.kernel = kernel
@@ -319,20 +321,20 @@ class FavorAttention(nnx.MultiHeadAttention):
       statistic.check_running_statistic(self.kernel, train=not deterministic, decode=decode)
       if not deterministic:
         self.statistic.set_value(
-            statistic.updated_statistic(self.kernel, rho, query, key, key_mask, self.rho_momentum, query_mask))
+            statistic.updated_statistic(self.kernel, rho, query, key, key_mask, self.rho_momentum, query_mask,
+                                        self.settings.precision))
     projection = self._projection()
     logit = None if self.forget_gate is None else self.forget_gate(inputs_k.astype(jnp.float32))
     log_gate = gates.layer_log_gate(logit, self.settings.alibi, key.shape[:-1])
-    with inputs.precision_scope(self.precision):
-      if decode:
-        if self.decode_state is None:
-          raise ValueError("decode=True needs the recurrent state: call init_cache(input_shape) first")
-        state, x = core.favor_decode_step(self.decode_state.get_value(), query, key, value, projection,
-                                          kernel=self.kernel, key_mask=key_mask, rho=rho,
-                                          chunk_size=self.chunk_size, window=self.window,
-                                          **gates.gate_kwargs(log_gate, segment_ids))
-        self.decode_state.set_value(state)
-      else:
-        x = attend(query, key, value, projection, self.settings, key_mask=key_mask, query_mask=query_mask, rho=rho,
-                   log_gate=log_gate, segment_ids=segment_ids)
+    if decode:
+      if self.decode_state is None:
+        raise ValueError("decode=True needs the recurrent state: call init_cache(input_shape) first")
+      state, x = core.favor_decode_step(self.decode_state.get_value(), query, key, value, projection,
+                                        kernel=self.kernel, key_mask=key_mask, rho=rho,
+                                        chunk_size=self.chunk_size, window=self.window,
+                                        precision=self.settings.precision, **gates.gate_kwargs(log_gate, segment_ids))
+      self.decode_state.set_value(state)
+    else:
+      x = attend(query, key, value, projection, self.settings, key_mask=key_mask, query_mask=query_mask, rho=rho,
+                 log_gate=log_gate, segment_ids=segment_ids)
     return self.out(x)

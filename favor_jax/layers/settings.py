@@ -16,6 +16,7 @@ import numpy as np
 
 from favor_jax import core
 from favor_jax.core import causal as causal_lib
+from favor_jax.core import precision as precision_lib
 
 PROJECTIONS = tuple(core.PROJECTIONS)  # the order that a layer's stored projection_kind indexes
 DEFAULT_NUM_FEATURES = 256  # M of a random projection when the layer is not given num_features
@@ -199,6 +200,8 @@ class FavorSettings:
     batch_axis: ``mesh``'s axis splitting the batch.
     forget_gate: a learned per-head forget gate from the layer's input (FoX; ``layers.gates``), causal only.
     alibi: ALiBi's fixed per-head gate log f = −m_h (``core.alibi_slopes``), causal only.
+    precision: of every dot of the attention core (the core functions' ``precision``; the layer's Flax
+      ``precision``, which its projections take too), as its name; None: the backend's default.
   """
   kernel: str | Callable[..., Any] = "positive"
   num_features: int | None = None
@@ -217,19 +220,20 @@ class FavorSettings:
   batch_axis: str | None = None
   forget_gate: bool = False
   alibi: bool = False
+  precision: str | None = None
 
   @classmethod
   def build(cls, *, kernel="positive", num_features=None, projection=None, per_head_projection=None,
             causal=False, causal_method="auto", chunk_size=64, window=0, qk_head_dim=None, rho_momentum=None,
             decode=False, qk_transform=None, mesh=None, sequence_axis=None, batch_axis=None,
-            forget_gate=False, alibi=False, causal_at_call: bool = False, unused_projection: str = "refuse",
-            prefix: str = "") -> FavorSettings:
+            forget_gate=False, alibi=False, precision=None, causal_at_call: bool = False,
+            unused_projection: str = "refuse", prefix: str = "") -> FavorSettings:
     """The settings of these arguments, each rule checked once (ValueError/TypeError naming the argument).
 
     Args:
       kernel, num_features, projection, per_head_projection, causal, causal_method, chunk_size, window,
-        qk_head_dim, rho_momentum, decode, qk_transform, mesh, sequence_axis, batch_axis, forget_gate, alibi:
-        the fields
+        qk_head_dim, rho_momentum, decode, qk_transform, mesh, sequence_axis, batch_axis, forget_gate, alibi,
+        precision: the fields (``precision`` any ``jax.lax.PrecisionLike``, stored as its name)
         (``rho_momentum`` None: ``RHO_MOMENTUM`` where the layer keeps a statistic; ``decode`` None: False).
       causal_at_call: the call may still ask for causal attention (``make_attention_fn``'s ``is_causal``),
         so "pallas" and ``alibi`` are not refused for ``causal=False`` here: the call refuses them if still
@@ -264,7 +268,8 @@ class FavorSettings:
                per_head_projection=per_head_projection, causal=causal, causal_method=causal_method,
                chunk_size=chunk_size, window=window, qk_head_dim=qk_head_dim, rho_momentum=momentum,
                decode=bool(decode), qk_transform=qk_transform, mesh=mesh, sequence_axis=sequence_axis,
-               batch_axis=batch_axis, forget_gate=bool(forget_gate), alibi=bool(alibi))
+               batch_axis=batch_axis, forget_gate=bool(forget_gate), alibi=bool(alibi),
+               precision=precision_lib.check(precision, prefix + "precision"))
 
   def check_decode_at_call(self) -> None:
     """NNX's ``decode=True`` given at the call to a layer built without it: what decoding cannot do with

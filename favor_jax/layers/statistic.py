@@ -6,11 +6,14 @@ import jax
 import jax.numpy as jnp
 
 from favor_jax import core
+from favor_jax.core import precision as precision_lib
 
 
-def statistic_of(kernel, query, key, key_mask, query_mask=None):
-  """``kernel``'s statistic of this batch, per batch element (over the unmasked keys and real queries)."""
-  return core.get_kernel(kernel).compute_statistic(query, key, key_mask, query_mask)
+def statistic_of(kernel, query, key, key_mask, query_mask=None, precision=None):
+  """``kernel``'s statistic of this batch, per batch element (over the unmasked keys and real queries); its
+  dots at the layer's ``precision`` (checked: ``FavorSettings.precision``)."""
+  with precision_lib.scope(precision):
+    return core.get_kernel(kernel).compute_statistic(query, key, key_mask, query_mask)
 
 
 def check_running_statistic(kernel, *, train: bool, decode: bool, mutable: bool = True) -> None:
@@ -34,16 +37,16 @@ def initial_statistic(kernel, heads: int, qk_dim: int):
   return jnp.zeros(core.get_kernel(kernel).statistic_shape((1, 1, heads, qk_dim))[1:], jnp.float32)
 
 
-def updated_statistic(kernel, running, query, key, key_mask, momentum: float, query_mask=None):
+def updated_statistic(kernel, running, query, key, key_mask, momentum: float, query_mask=None, precision=None):
   """Exponential moving average of ``kernel``'s statistic with this batch's mean one (no gradient; over the
-  unmasked keys and the queries of ``query_mask``).
+  unmasked keys and the queries of ``query_mask``; ``precision`` as in :func:`statistic_of`).
 
   The kernel record computes the statistic per batch element; its mean over the batch elements that hold a
   real query and an unmasked key keeps the running value's shape (FAVOR++'s ρ: [H]). An element that is all
   padding has no statistic and is left out (it would pull the mean towards 0); a batch of such elements
   leaves the running value as it was.
   """
-  batch_stat = jax.lax.stop_gradient(statistic_of(kernel, query, key, key_mask, query_mask))
+  batch_stat = jax.lax.stop_gradient(statistic_of(kernel, query, key, key_mask, query_mask, precision))
   batch = query.shape[:-3]
   batch_dims = tuple(range(len(batch)))
   present = lambda mask: jnp.ones(batch, bool) if mask is None else jnp.broadcast_to(jnp.any(mask, -1), batch)

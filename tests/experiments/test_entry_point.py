@@ -192,3 +192,16 @@ def test_peers_needs_two_draws_for_its_interval():
   config = common.set_fields(peers_config.get_config("quick"), {"approx_draws": 1})
   with pytest.raises(ValueError, match="config.approx_draws must be >= 2"):
     peers.run(config)
+
+
+@pytest.mark.parametrize("field, value, named", [("kernels", ("positive", "nope"), "config.kernels"),
+                                                  ("scales", (1.0, 1.0), "config.scales"),
+                                                  ("scales", (0.0,), "config.scales"),
+                                                  ("num_draws", 0, "config.num_draws")])
+def test_precision_study_names_a_bad_field_before_measuring(field, value, named):
+  from experiments import precision
+  from experiments.configs import precision as cfg
+  config = cfg.get_config("quick")
+  config[field] = value
+  with pytest.raises(ValueError, match=named):
+    precision.run(config, progress=None)
