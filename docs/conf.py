@@ -7,6 +7,8 @@ Build (warnings are errors, as in ``tests/test_docs.py``)::
 """
 
 import pathlib
+import posixpath
+import re
 import shutil
 import sys
 
@@ -24,6 +26,7 @@ extensions = [
     "sphinx.ext.autosummary",
     "sphinx.ext.napoleon",  # Google-style Args:/Returns:/Raises: sections
     "sphinx.ext.mathjax",
+    "sphinx-mathjax-offline",  # MathJax 3 served from _static/mathjax (no CDN): math renders offline
     "sphinx.ext.viewcode",
 ]
 
@@ -45,6 +48,9 @@ autodoc_default_options = {"members": False, "undoc-members": False}
 autodoc_member_order = "bysource"
 autodoc_typehints = "signature"
 autodoc_preserve_defaults = True
+# jaxtyping's Float[Array, "..."] as written in the signatures (not Float[jaxlib._jax.Array, ...]).
+autodoc_type_aliases = {"Array": "jax.Array"}
+autodoc_typehints_format = "short"  # other types by their name (Array, Callable), not their module path
 napoleon_google_docstring = True
 napoleon_numpy_docstring = False
 napoleon_use_rtype = False
@@ -71,3 +77,46 @@ def _copy_tutorials() -> None:
 
 
 _copy_tutorials()
+
+
+def _short_array_types(app, what, name, obj, options, lines) -> None:
+  """Attribute types that napoleon writes from annotations (``jax.jaxlib._jax.Array``, JAX's implementation
+  path) as ``jax.Array``, shown as ``Array``; runs after napoleon (priority 900)."""
+  for i, line in enumerate(lines):
+    lines[i] = re.sub(r"(?<![\w.~])(?:jax\.)?jaxlib\._jax\.Array\b", "~jax.Array", line)
+
+
+def _fix_viewcode_backlinks(app, pagename, templatename, context, doctree) -> None:
+  """The "[docs]" links of a highlighted source page (viewcode) to the object's entry in the API pages.
+
+  viewcode builds each link as ``<first documented module path of this source module>.<name>``: for a source
+  module whose objects are documented under two paths (``favor_jax.core.oprf_rho`` and
+  ``favor_jax.core.kernels.check_rho``, both in ``core/statistics.py``) some links name an anchor that does not
+  exist. Each link is pointed at the documented object of that page whose name is ``<module>.<name>``.
+  """
+  if not pagename.startswith("_modules/") or "body" not in context:
+    return
+  domain = app.env.get_domain("py")
+  modules = set(domain.modules)
+
+  def fix(match):
+    name, href = match.group(1), match.group(2)
+    path, _, anchor = href.partition("#")
+    page = posixpath.normpath(posixpath.join(posixpath.dirname(pagename), path))
+    page = page[: -len(".html")] if page.endswith(".html") else page
+    if anchor in domain.objects and domain.objects[anchor].docname == page:
+      return match.group(0)
+    found = [full for full, entry in domain.objects.items()
+             if entry.docname == page and full.endswith("." + name) and full[: -len(name) - 1] in modules]
+    if len(found) != 1:
+      return match.group(0)
+    return match.group(0).replace(href, f"{path}#{domain.objects[found[0]].node_id}")
+
+  context["body"] = re.sub(r'<div class="viewcode-block" id="([^"]+)">\n<a class="viewcode-back" href="([^"]+)">',
+                           fix, context["body"])
+
+
+def setup(app):
+  """The two hooks above."""
+  app.connect("autodoc-process-docstring", _short_array_types, priority=900)
+  app.connect("html-page-context", _fix_viewcode_backlinks)

@@ -9,7 +9,9 @@
   run) is marked on the line before its fence with ``<!-- no test: REASON -->``, shown in the page source.
 """
 
+import html
 import importlib
+import inspect
 import pathlib
 import re
 import subprocess
@@ -76,6 +78,72 @@ def test_api_reference_lists_every_public_name(built):
              if f"{module}.{name}" not in documented
              and id(getattr(importlib.import_module(module), name)) not in objects]
   assert not missing, f"public names missing from docs/api/*.md: {missing}"
+
+
+def broken_local_links(out: pathlib.Path) -> list[str]:
+  """``page: href`` of every relative href/src of the built HTML pages whose file, or whose #anchor (an id
+  on the target page), does not exist (query strings dropped; the theme's _static templates skipped)."""
+  ids, broken = {}, []
+  for page in sorted(out.rglob("*.html")):
+    if "_static" in page.relative_to(out).parts:
+      continue
+    for href in re.findall(r'(?:href|src)="([^"]+)"', page.read_text(errors="replace")):
+      href = html.unescape(href)
+      if re.match(r"^[a-z][a-z0-9+.-]*:|^//", href):
+        continue
+      path, _, anchor = href.partition("#")
+      target = (page.parent / path.split("?")[0]).resolve() if path else page
+      if not target.exists():
+        broken.append(f"{page.relative_to(out)}: {href}")
+      elif anchor and target.suffix == ".html":
+        if target not in ids:
+          ids[target] = set(re.findall(r'\bid="([^"]+)"', target.read_text(errors="replace")))
+        if anchor not in ids[target]:
+          broken.append(f"{page.relative_to(out)}: {href}")
+  return broken
+
+
+def test_built_pages_have_no_broken_local_links(built):
+  """Every relative link of the built site resolves, [source] and [docs] links of viewcode included (a source
+  module documented under two module paths once gave links to anchors that do not exist)."""
+  _, _, out = built
+  assert broken_local_links(out) == []
+
+
+def test_broken_local_links_are_found(tmp_path):
+  (tmp_path / "a.html").write_text('<p id="x"></p><a href="b.html#y">b</a><a href="a.html#x">a</a>'
+                                   '<a href="https://example.org/">e</a><a href="c.html">c</a>')
+  (tmp_path / "b.html").write_text('<p id="z"></p>')
+  assert broken_local_links(tmp_path) == ["a.html: b.html#y", "a.html: c.html"]
+
+
+def test_math_and_types_read_as_written(built):
+  """Math is served from the built site (MathJax in _static, no CDN: it renders offline); the shape legend of
+  favor_jax.core is a block, not one paragraph; jaxtyping annotations show ``Array``, not JAX's private path."""
+  _, _, out = built
+  index = (out / "index.html").read_text()
+  scripts = re.findall(r'<script[^>]*src="([^"]*mathjax[^"]*)"', index, flags=re.I)
+  assert scripts and all(not re.match(r"^[a-z]+:|^//", s) and (out / s.split("?")[0]).exists() for s in scripts)
+  assert list((out / "_static" / "mathjax").rglob("*.woff")), "MathJax's fonts are not served locally"
+  core = (out / "api" / "core.html").read_text()
+  assert "jaxlib" not in core and "jaxlib" not in (out / "api" / "layers.html").read_text()
+  legend = re.search(r"<table.*?</table>", core[core.find("Shape letters"):], flags=re.S)
+  assert legend and re.search(r"<td><p>L</p></td>\s*<td><p>sequence length", legend.group(0)), "legend not a table"
+
+
+def repeated_sentences(doc: str) -> list[str]:
+  """The sentences (or clauses ending in ``.``, ``:`` or ``;``) of six words or more that ``doc`` says twice."""
+  parts = [s for s in re.split(r"(?<=[.:;])\s+", " ".join(doc.split())) if len(s.split()) >= 6]
+  return sorted({s for s in parts if parts.count(s) > 1})
+
+
+def test_no_public_docstring_says_a_sentence_twice():
+  """A paragraph left behind by an edit (linear_attention's and hybrid_attention's once said theirs twice)."""
+  assert repeated_sentences("Rows with a zero denominator return 0. Features are used as given. Rows with a "
+                            "zero denominator return 0.") == ["Rows with a zero denominator return 0."]
+  repeats = {f"{module}.{name}": found for module in PUBLIC for name in importlib.import_module(module).__all__
+             if (found := repeated_sentences(inspect.getdoc(getattr(importlib.import_module(module), name)) or ""))}
+  assert repeats == {}
 
 
 def test_resolve_names_objects():

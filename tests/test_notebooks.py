@@ -1,8 +1,14 @@
 """Every notebooks/*.ipynb runs as shipped: its own kernel, cwd = notebooks/ (as jupyter starts it), no path
 patching (the kernel inherits PYTHONPATH or the installed package), no error in any cell; and each is committed
-with the outputs the docs render."""
+with the outputs the docs render, and those outputs are current: the text a run prints is the text committed,
+numbers aside (they vary with the machine), so an edit that changes what a cell says fails until the notebook
+is executed again (``jupyter nbconvert --to notebook --execute --inplace notebooks/NAME.ipynb``). A cell whose
+printed words depend on floating-point rounding (a model's generated text) carries the tag ``output-varies``:
+only its outputs' kinds are compared."""
 
+import copy
 import pathlib
+import re
 
 import pytest
 
@@ -27,12 +33,50 @@ def test_notebook_is_committed_executed_without_path_patching(path):
   assert not any("sys.path" in c.source for c in code), f"{path.name}: imports the package as installed"
 
 
+NUMBER = re.compile(r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?")
+VARIES = "output-varies"
+
+
+def printed(cell) -> list[str]:
+  """What a code cell shows as text, numbers as ``#``: its stdout and the text of its results and displays
+  (stderr left out: warnings depend on the machine); for a cell tagged ``output-varies``, the kinds only."""
+  shown = []
+  for out in cell.get("outputs", []):
+    if out["output_type"] == "stream" and out["name"] == "stdout":
+      shown.append(("stdout", "".join(out["text"])))
+    elif out["output_type"] in ("execute_result", "display_data"):
+      shown.append((out["output_type"], "".join(out["data"].get("text/plain", ""))))
+  if VARIES in cell.get("metadata", {}).get("tags", []):
+    return [kind for kind, _ in shown]
+  return [f"{kind}: {re.sub(r'0x[0-9a-f]+', '0x#', NUMBER.sub('#', text))}" for kind, text in shown]
+
+
+def stale_cells(committed, executed) -> list[str]:
+  """``cell N: committed != now`` for every code cell whose printed text (:func:`printed`) differs."""
+  code = lambda nb: [c for c in nb["cells"] if c["cell_type"] == "code"]
+  return [f"code cell {i}: committed {printed(old)!r} != now {printed(new)!r}"
+          for i, (old, new) in enumerate(zip(code(committed), code(executed), strict=True))
+          if printed(old) != printed(new)]
+
+
+def test_stale_cells_ignore_numbers_not_words():
+  cell = lambda text, tags=(): {"cell_type": "code", "metadata": {"tags": list(tags)},
+                                "outputs": [{"output_type": "stream", "name": "stdout", "text": text}]}
+  old = {"cells": [cell("loss 4.32 -> 0.72 in 61.0 s\n"), cell("cache: {'mu': (1, 4, 32)}\n"),
+                   cell("'Shall I compare thee to'", [VARIES])]}
+  new = {"cells": [cell("loss 4.30 -> 0.70 in 12.5 s\n"), cell("cache: {'mu': (1, 4, 32), 'segment': (1,)}\n"),
+                   cell("'Shall I compare thee ta'", [VARIES])]}
+  assert [line.split(":")[0] for line in stale_cells(old, new)] == ["code cell 1"]
+
+
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
 def test_notebook_executes(path):
   nbformat = pytest.importorskip("nbformat")
   nbclient = pytest.importorskip("nbclient")
-  nb = nbformat.read(path, as_version=4)
+  committed = nbformat.read(path, as_version=4)
+  nb = copy.deepcopy(committed)
   # A fresh kernel per notebook, started in notebooks/ as `jupyter nbconvert --execute` does; it raises
   # CellExecutionError (with the cell's traceback) at the first failing cell.
   nbclient.NotebookClient(nb, timeout=300, kernel_name="python3",
                           resources={"metadata": {"path": str(path.parent)}}).execute()
+  assert stale_cells(committed, nb) == [], f"{path.name}: committed outputs are stale; execute it again"

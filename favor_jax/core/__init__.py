@@ -15,13 +15,23 @@ call's ``precision`` argument in force for every dot of the call, forward and ba
 Shape letters, used in names inside the math (``phi_q_NHlF``) and in the
 jaxtyping annotations of public signatures:
 
-  B  batch (any number of leading dims ``...``)   N  the batch dims flattened into one
-  L  sequence length (Lq queries, Lk keys)        l  length of one block or step
-  H  heads                                        D  head dim of query and key
-  Dv head dim of value                            E  Dv + 1 (value and a column of ones: the denominator)
-  M  projection rows (ω)                          F  features per head (``Kernel.num_features``)
-  Fm width of the log part of features (F or 1)   C  chunk size; c chunks in a block
-  P  devices along a mesh axis
+======  ==========================================================
+letter  meaning
+======  ==========================================================
+B       batch (any number of leading dims, ``...``)
+N       the batch dims flattened into one
+L       sequence length (Lq queries, Lk keys)
+l       length of one block or step
+H       heads
+D       head dim of query and key
+Dv      head dim of value
+E       Dv + 1 (value and a column of ones: the denominator)
+M       projection rows (ω)
+F       features per head (``Kernel.num_features``)
+Fm      width of the log part of features (F or 1)
+C       chunk size; c chunks in a block
+P       devices along a mesh axis
+======  ==========================================================
 
 Kernels (``kernels.KERNELS``, one record each): FAVOR+ positive and hyperbolic
 features (Choromanski et al. 2021), trigonometric (random Fourier) features,

@@ -121,10 +121,7 @@ def linear_attention(
 
   The sum is over unmasked j (j ≤ t if causal): ``(A v) / (A 1)`` with ``A = φ ψᵀ`` (lower-triangular if
   causal), without forming A. Rows with a zero denominator return 0. Features are used as given.
-
-  Equals ``(A v) / (A 1)`` with ``A = φ ψᵀ`` (lower-triangular if causal) without
-  forming A. Rows with a zero denominator return 0. Features are used as given. ``log_gate`` and
-  ``segment_ids`` as in :func:`favor_attention`.
+  ``log_gate`` and ``segment_ids`` as in :func:`favor_attention`.
 
   Args:
     query_features: φ, shape [..., Lq, H, F].
@@ -269,15 +266,9 @@ def hybrid_attention(
   when causal, ``abs(t − j) < window`` otherwise), else ``φ(q_t)ᵀφ(k_j)``: with an unbiased softmax kernel each
   w_tj is an unbiased estimate of exp(q_t·k_j/√d). ``window=0`` is :func:`favor_attention`; a window covering
   the sequence is :func:`softmax_attention`. O(L·(window + F)·(D + Dv)) time, no [L, L] array; the causal
-  stabiliser never looks ahead. Masks, non-finite inputs and ``rho`` behave as in :func:`favor_attention`.
-
-  the window being t − window < j ≤ t (``causal``) or ``|t − j| < window``. With an
-  unbiased softmax kernel each w_tj is an unbiased estimate of exp(q_t·k_j/√d).
-  ``window=0`` is :func:`favor_attention`; a window covering the sequence is
-  :func:`softmax_attention`. O(L·(window + F)·(D + Dv)) time, no [L, L] array;
-  the causal stabiliser never looks ahead. Needs Lq = Lk (positions are shared).
-  Masks, non-finite inputs, ``rho``, ``query_mask``, ``log_gate`` and ``segment_ids`` behave as in
-  :func:`favor_attention`; the exact window gets the same bias as the kernel's part.
+  stabiliser never looks ahead. Needs Lq = Lk (positions are shared). Masks, non-finite inputs, ``rho``,
+  ``query_mask``, ``log_gate`` and ``segment_ids`` behave as in :func:`favor_attention`; the exact window gets
+  the same bias as the kernel's part.
 
   Args:
     query: queries, shape [..., Lq, H, D].

@@ -4,15 +4,30 @@ from __future__ import annotations
 
 import numbers
 
+import jax
 import jax.numpy as jnp
 import numpy as np
+
+# The arguments of the public attention functions that choose the computation's structure, so must be Python
+# values under ``jax.jit`` (``kernel`` and ``causal_method`` are not arrays at all; JAX refuses them itself).
+STATIC_ARGNAMES = ("kernel", "causal", "causal_method", "chunk_size", "window")
+
+
+def _traced_hint(name: str, x) -> str:
+  """For a traced ``x`` (an argument of a jitted function not marked static), how to mark it; else ''."""
+  if not isinstance(x, jax.core.Tracer):
+    return ""
+  return (f": jax.jit traced {name} because it was not marked static. Give jax.jit's static_argnames those of "
+          f"{', '.join(STATIC_ARGNAMES)} that the function takes, e.g. jax.jit(core.favor_attention, "
+          "static_argnames=('kernel', 'causal', 'causal_method', 'chunk_size')), or bind them with "
+          "functools.partial before jax.jit")
 
 
 def check_bool(name: str, x) -> None:
   """``x`` a bool (Python or NumPy): a string such as "False" or an int would be read by its truth value,
   and an array cannot choose the computation's structure."""
   if not isinstance(x, (bool, np.bool_)):
-    raise TypeError(f"{name} must be a bool (True or False), got {x!r} ({type(x).__name__})")
+    raise TypeError(f"{name} must be a bool (True or False), got {x!r} ({type(x).__name__}){_traced_hint(name, x)}")
 
 
 def check_float(name: str, x) -> None:
@@ -112,7 +127,8 @@ def check_positive_int(name: str, x, *, optional: bool = False) -> int | None:
   if optional and x is None:
     return None
   if isinstance(x, bool) or not isinstance(x, numbers.Integral) or x <= 0:
-    raise ValueError(f"{name} must be a positive int{' or None' if optional else ''}, got {x!r}")
+    raise ValueError(f"{name} must be a positive int{' or None' if optional else ''}, got {x!r}"
+                     + _traced_hint(name, x))
   return int(x)
 
 
@@ -134,5 +150,6 @@ def check_causal_method(causal_method, choices, causal: bool = True) -> None:
 def check_window(window) -> int:
   """window as a Python int >= 0 (0: no exact window), never a bool."""
   if isinstance(window, bool) or not isinstance(window, numbers.Integral) or window < 0:
-    raise ValueError(f"window must be an int >= 0 (positions of exact attention; 0: none), got {window!r}")
+    raise ValueError(f"window must be an int >= 0 (positions of exact attention; 0: none), got {window!r}"
+                     + _traced_hint("window", window))
   return int(window)

@@ -14,6 +14,8 @@ with the state). A learned kernel's map (``hedgehog``) is the ``nnx.Param``
 
 from __future__ import annotations
 
+import inspect
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -338,3 +340,21 @@ class FavorAttention(nnx.MultiHeadAttention):
       x = attend(query, key, value, projection, self.settings, key_mask=key_mask, query_mask=query_mask, rho=rho,
                  log_gate=log_gate, segment_ids=segment_ids)
     return self.out(x)
+
+
+def _constructor_signature(cls) -> inspect.Signature:
+  """What ``cls(...)`` takes, for ``inspect.signature``, ``help()``, IDEs and the API page (NNX's metaclass
+  shows ``(*args, **kwargs)``): ``cls.__init__``'s own arguments, then in place of its ``**flax_kwargs`` the
+  keyword arguments of ``nnx.MultiHeadAttention`` it passes on (as keyword-only; ``attention_fn`` is refused).
+  Read from the two ``__init__``s, so an argument added to either appears here."""
+  own = list(inspect.signature(cls.__init__).parameters.values())[1:]  # without self
+  named = {p.name for p in own} | {"attention_fn"}
+  flax = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY)
+          for p in list(inspect.signature(nnx.MultiHeadAttention.__init__).parameters.values())[1:]
+          if p.name not in named and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+  positional = [p for p in own if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+  keyword = [p for p in own if p.kind == p.KEYWORD_ONLY]
+  return inspect.Signature(positional + keyword + flax)
+
+
+FavorAttention.__signature__ = _constructor_signature(FavorAttention)
