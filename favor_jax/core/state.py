@@ -69,20 +69,23 @@ def parts(f, keep=None):
   """(log, mult) with |mult| ≤ 1 and log broadcastable ([..., F] or [..., 1]); rows where ``keep``
   (broadcastable to log, e.g. mask[..., None, None] for [N, L, H, F]) is False get log −∞.
 
-  Features with a multiplier are scaled by their row's largest, and those under e^-SMALL_GAP of it (0
-  included) get their own size in the log (floored at e^-ZERO_GAP), so that every algorithm sees the same
-  normalised form and a feature that is 0 does not set a row's scale (a row all 0: log −∞).
+  Features given without a log part are split into a per-row scale and the row divided by it, so every
+  algorithm sees the same normalised form; then features with a multiplier under e^-SMALL_GAP of their row's
+  largest (0 included) get their own size in the log (floored at e^-ZERO_GAP), so that a feature that is 0
+  does not set a row's scale (a row all 0: log −∞).
   """
   log, mult = f.log, f.mult
   if mult is not None:
     size = jax.lax.stop_gradient(jnp.abs(mult))
     peak = jnp.max(size, axis=-1, keepdims=True)
     some = peak > 0
+    if log is None:  # the row's scale into the log
+      log = jnp.log(jnp.where(some, peak, 1.0))
+      mult = mult / jnp.where(some, peak, 1.0)
     size = size / jnp.where(some, peak, 1.0)
     bound = jnp.where(size < math.exp(-SMALL_GAP), jnp.maximum(size, math.exp(-ZERO_GAP)), 1.0)
-    own = jnp.where(some, jnp.log(jnp.where(some, peak, 1.0)) + jnp.log(bound), NEG_INF)
-    log = own if log is None else log + own
-    mult = mult / jnp.where(some, peak, 1.0) / bound
+    log = jnp.where(some, log + jnp.log(bound), NEG_INF)  # [..., F]; a row all 0 weighs nothing
+    mult = mult / bound
   if keep is not None:
     log = jnp.where(keep, log, NEG_INF)
   return log, mult
