@@ -1,9 +1,10 @@
 """Precision study: what a backend's default precision for float32 dots does to each estimator.
 
-For each kernel and input scale, causal attention (the chunked pass) with ``precision="highest"`` and under
-a TPU's default, one bfloat16 pass per dot (:func:`experiments.studies.emulation.bfloat16_dots`), against exact
-softmax attention in float64. Records the relative output error of each and the shift between them (what the
-default alone moves), averaged over projection draws.
+For each kernel and input scale, causal attention (the chunked pass) with ``precision="highest"``, under a
+recent GPU's default (TF32 operands) and under a TPU's (one bfloat16 pass per dot), both emulated
+(:mod:`experiments.studies.emulation`), against exact softmax attention in float64. Records the relative output
+error of each and the shift of each default from "highest" (what the default alone moves), averaged over
+projection draws.
 """
 
 from __future__ import annotations
@@ -12,11 +13,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from experiments import tasks
-from experiments.studies.emulation import bfloat16_dots
+from experiments import emulation, tasks
 from favor_jax import core
 
-MODES = ("highest", "bfloat16_pass")
+# mode -> explicit mantissa bits of each dot's operands (None: precision="highest", float32)
+MODES = {"highest": None, "tensorfloat32": emulation.TENSORFLOAT32_BITS, "bfloat16_pass": emulation.BFLOAT16_BITS}
 
 
 def make_inputs(seq_len, dim, heads, scale, seed):
@@ -75,26 +76,30 @@ def run(config, progress=print, workdir=None):
       return core.favor_attention(q, k, v, w, kernel=kern, causal=True, causal_method="chunked",
                                   chunk_size=config.chunk_size, precision=precision, rho=rho)
 
-    calls = {"highest": jax.jit(lambda q, k, v, w: attend(q, k, v, w, "highest")),
-             "bfloat16_pass": bfloat16_dots(lambda q, k, v, w: attend(q, k, v, w, None))}
+    calls = {mode: jax.jit(lambda q, k, v, w: attend(q, k, v, w, "highest")) if bits is None
+             else emulation.rounded_dots(lambda q, k, v, w: attend(q, k, v, w, None), bits)
+             for mode, bits in MODES.items()}
     for scale in config.scales:
       q, k, v = make_inputs(config.seq_len, config.dim, config.heads, scale, config.seed)
       want = exact64(q, k, v)
       errors = {mode: [] for mode in MODES}
-      shifts = []
+      shifts = {mode: [] for mode in MODES if mode != "highest"}
       for draw in range(config.num_draws):
         w = projection(kernel, jax.random.PRNGKey(config.seed * 1000 + draw), config.num_features, config.dim)
         args = tuple(jnp.asarray(x, jnp.float32) for x in (q, k, v))
         outs = {mode: np.asarray(calls[mode](*args, w), np.float64) for mode in MODES}
         for mode in MODES:
           errors[mode].append(np.linalg.norm(outs[mode] - want) / np.linalg.norm(want))
-        shifts.append(np.linalg.norm(outs["bfloat16_pass"] - outs["highest"]) / np.linalg.norm(outs["highest"]))
-      records.append(dict(kernel=kernel, input_scale=scale, rel_error_highest=float(np.mean(errors["highest"])),
-                          rel_error_bfloat16_pass=float(np.mean(errors["bfloat16_pass"])),
-                          shift=float(np.mean(shifts)), shift_max=float(np.max(shifts)),
-                          draws=config.num_draws if core.get_kernel(kernel).needs_projection else 1))
-      progress(f"{kernel:>16} x{scale:<4} highest={records[-1]['rel_error_highest']:.3e} "
-               f"bf16={records[-1]['rel_error_bfloat16_pass']:.3e} shift={records[-1]['shift']:.3e}")
+        for mode in shifts:
+          shifts[mode].append(np.linalg.norm(outs[mode] - outs["highest"]) / np.linalg.norm(outs["highest"]))
+      record = dict(kernel=kernel, input_scale=scale,
+                    draws=config.num_draws if core.get_kernel(kernel).needs_projection else 1)
+      record.update({f"rel_error_{mode}": float(np.mean(errors[mode])) for mode in MODES})
+      record.update({f"shift_{mode}": float(np.mean(shifts[mode])) for mode in shifts})
+      record.update({f"shift_{mode}_max": float(np.max(shifts[mode])) for mode in shifts})
+      records.append(record)
+      progress(f"{kernel:>16} x{scale:<4} " + " ".join(f"{k}={v:.3e}" for k, v in record.items()
+                                                       if k.startswith(("rel_error", "shift")) and "max" not in k))
   return records
 
 
@@ -103,16 +108,20 @@ def summarize(records, config) -> str:
   lines = [f"# Precision study: relative output error vs float64 exact causal softmax attention "
            f"(L={config.seq_len}, D={config.dim}, H={config.heads}, M={config.num_features}, chunked pass, "
            f"{config.num_draws} draws)", "",
-           "Each cell: error with precision='highest' / under one bfloat16 pass per dot (a TPU's default) "
-           "(shift: ‖bf16 − highest‖/‖highest‖).", "",
-           "| kernel | " + " | ".join(f"×{s:g}" for s in scales) + " |",
-           "|---|" + "---|" * len(scales)]
+           "Error at precision='highest', and the shift ‖out − out_highest‖/‖out_highest‖ of each emulated "
+           "default: TF32 operands (a GPU's, Ampere on) / one bfloat16 pass (a TPU's).", "",
+           "| kernel | error ×1 | " + " | ".join(f"shift TF32 / bf16 ×{s:g}" for s in scales) + " |",
+           "|---|---|" + "---|" * len(scales)]
   by = {(r["kernel"], r["input_scale"]): r for r in records}
   for kernel in config.kernels:
     cells = [by[(kernel, s)] for s in scales]
+    lines.append(f"| {kernel} | {cells[0]['rel_error_highest']:.3f} | " + " | ".join(
+        f"{r['shift_tensorfloat32']:.1e} / {r['shift_bfloat16_pass']:.1e}" for r in cells) + " |")
+  lines += ["", "Error at each scale (highest / TF32 / bf16):", "",
+            "| kernel | " + " | ".join(f"×{s:g}" for s in scales) + " |", "|---|" + "---|" * len(scales)]
+  for kernel in config.kernels:
     lines.append(f"| {kernel} | " + " | ".join(
-        f"{r['rel_error_highest']:.2e} / {r['rel_error_bfloat16_pass']:.2e} (shift {r['shift']:.1e})"
-        for r in cells) + " |")
+        " / ".join(f"{by[(kernel, s)][f'rel_error_{mode}']:.3f}" for mode in MODES) for s in scales) + " |")
   return "\n".join(lines) + "\n"
 
 

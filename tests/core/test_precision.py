@@ -12,7 +12,7 @@ from jax.extend import core as jax_core
 from jax.sharding import Mesh
 from scipy.special import softmax
 
-from experiments.studies.emulation import bfloat16_dots
+from experiments.studies.emulation import bfloat16_dots, tensorfloat32_dots
 from favor_jax import core, layers, parallel
 from favor_jax.layers import linen as favor_linen
 from favor_jax.layers import nnx as favor_nnx
@@ -164,6 +164,11 @@ def test_emulation_rounds_default_dots_only():
     np.testing.assert_allclose(emulated, want, rtol=1e-5, atol=1e-5)
   exact = np.asarray(a, np.float64) @ np.asarray(b, np.float64)
   assert np.max(np.abs(want - exact)) > 1e-3  # the rounding is visible at this size
+  # TF32: 10 explicit bits, rounded to nearest even (float32's low 13 bits dropped), in numpy's bits
+  bits = np.asarray(a, np.float32).view(np.uint32), np.asarray(b, np.float32).view(np.uint32)
+  tf32 = [((x + 0xFFF + ((x >> 13) & 1)) & ~np.uint32(0x1FFF)).view(np.float32).astype(np.float64) for x in bits]
+  np.testing.assert_allclose(tensorfloat32_dots(jnp.dot)(a, b), tf32[0] @ tf32[1], rtol=1e-5, atol=1e-5)
+  assert np.max(np.abs(tf32[0] @ tf32[1] - exact)) > 1e-4
   for precision in ("highest", "high"):  # an explicit precision is left as it is
     kept = bfloat16_dots(lambda a, b, p=precision: jnp.dot(a, b, precision=p))(a, b)
     np.testing.assert_allclose(kept, exact, rtol=1e-5, atol=1e-5)
