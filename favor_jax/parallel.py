@@ -116,8 +116,8 @@ def sequence_parallel_attention(
     ValueError: if ``axis_name`` or ``batch_axis`` is not an axis of ``mesh``,
       they are equal, shapes disagree (query and key lengths included), a
       data-dependent kernel gets no ``rho`` or a concrete invalid one, the
-      kernel is unknown or needs a projection and gets none, or ``chunk_size``
-      is not a positive int.
+      kernel is unknown or needs a projection and gets none, ``chunk_size``
+      is not a positive int, or ``precision`` is invalid (as in ``favor_attention``).
 
   References:
     Choromanski et al. 2021, "Rethinking Attention with Performers" (ICLR).

@@ -63,7 +63,8 @@ def softmax_attention(
 
   Raises:
     TypeError: if an input is not a floating array, ``key_mask`` not bool or ``causal`` not a bool.
-    ValueError: if the shapes disagree, a length is 0, or ``causal`` with Lq ≠ Lk.
+    ValueError: if the shapes disagree, a length is 0, ``causal`` with Lq ≠ Lk, or ``precision`` is invalid (as
+      :func:`favor_attention` raises).
 
   References:
     Vaswani et al. 2017, "Attention Is All You Need" (NeurIPS).
@@ -142,7 +143,7 @@ def linear_attention(
   Raises:
     TypeError: if an input is not a floating array, ``key_mask`` not bool or ``causal`` not a bool.
     ValueError: if shapes disagree, a length is 0, ``causal`` with Lq ≠ Lk, or as :func:`favor_attention`
-      raises for ``causal_method`` and ``chunk_size``.
+      raises for ``causal_method``, ``chunk_size`` and ``precision``.
 
   References:
     Katharopoulos et al. 2020, "Transformers are RNNs" (ICML).

@@ -151,7 +151,7 @@ def favor_decode_step(
   Raises:
     TypeError: if an input is not a floating array, or the state's leaves are not float32 (a cast cache).
     ValueError: if the state's type or shapes do not fit these inputs (batch shape, heads, features, value
-      size, window), or as :func:`favor_attention` raises for shapes, kernel, ``rho`` and ``chunk_size``.
+      size, window), or as :func:`favor_attention` raises for shapes, kernel, ``rho``, ``chunk_size`` and ``precision``.
   """
   inputs.validate(query, key, value, key_mask, True)
   chunk_size = checks.check_chunk_size(chunk_size)

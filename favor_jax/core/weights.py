@@ -105,7 +105,7 @@ def attention_weights(
     TypeError: if ``causal`` or ``log`` is not a bool, an input is not a floating array or a mask not bool.
     ValueError: if shapes disagree, a length is 0, ``causal`` or ``window`` with Lq ≠ Lk, ``window`` is not
       an int ≥ 0, ``kernel="softmax"`` gets a projection or ``rho``, or as :func:`favor_attention` raises
-      for the kernel and ``rho``.
+      for the kernel, ``rho`` and ``precision``.
   """
   checks.check_bool("causal", causal)
   checks.check_bool("log", log)
