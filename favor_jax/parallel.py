@@ -88,7 +88,7 @@ def sequence_parallel_attention(
     batch_axis: optional mesh axis (not ``axis_name``) the flattened batch is
       split over when its size divides the batch (replicated otherwise: the
       result is the same either way).
-    kernel: a name in ``KERNELS`` or a :class:`~favor_jax.core.Kernel` record, or
+    kernel: a name in ``KERNELS`` or a :class:`~favor_jax.core.kernels.Kernel` record, or
       a callable with a kernel's signature. A plain callable (not a ``Kernel``
       record) is called with ``stabilize=False`` here, causal or not (each
       device sees part of the keys): its features must stay within float32's

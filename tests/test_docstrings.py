@@ -120,7 +120,7 @@ def test_public_docstring_has_its_sections(name, obj):
 
 def test_public_objects_cover_the_api():
   names = {name for name, _ in public_objects()}
-  assert {"favor_jax.core.favor_attention", "favor_jax.core.kernels.Kernel", "favor_jax.layers.linen.FavorAttention",
+  assert {"favor_jax.core.favor_attention", "favor_jax.core.Kernel", "favor_jax.layers.linen.FavorAttention",
           "favor_jax.layers.nnx.FavorAttention.__call__", "favor_jax.parallel.sequence_parallel_attention"} <= names
 
 

@@ -19,7 +19,7 @@ NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 def test_the_tutorials_are_there():
   names = {p.stem for p in NOTEBOOKS}
   assert {"approximation", "tutorial_1_favor_vs_exact", "tutorial_2_flax_lm", "tutorial_3_convert_softmax",
-          "tutorial_4_long_sequences"} <= names, names
+          "tutorial_4_long_sequences", "tutorial_5_your_own_kernel"} <= names, names
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])

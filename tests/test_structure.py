@@ -19,7 +19,8 @@ MAX_LINES = 400
 # The public names as of main b1d2658 (before issue 38's restructuring), written out, not read from the code.
 PUBLIC = {
     "favor_jax.core": [
-        "HybridState", "KERNELS", "PROJECTIONS", "RecurrentState", "alibi_log_gate", "alibi_slopes",
+        "HybridState", "KERNELS", "Kernel", "LogFeatures", "PROJECTIONS", "RecurrentState", "alibi_log_gate",
+        "alibi_slopes",
         "attention_weights", "draw_projection", "draw_projection_by_index", "favor_attention", "favor_decode_init",
         "favor_decode_step", "get_kernel",
         "hybrid_attention", "iid_gaussian_projection", "kernels", "linear_attention", "oprf_rho",

@@ -187,7 +187,7 @@ def favor_attention(
     key: keys, shape [..., Lk, H, D].
     value: values, shape [..., Lk, H, Dv].
     projection: ω, [M, D] (shared by the heads) or [H, M, D] (one per head); None if the kernel takes none.
-    kernel: a name in ``KERNELS`` or a :class:`~favor_jax.core.Kernel` record (a feature map of your own: its
+    kernel: a name in ``KERNELS`` or a :class:`~favor_jax.core.kernels.Kernel` record (a feature map of your own: its
       ``log_features`` checked once, at trace time; docs/estimators.md), or a plain callable
       ``kernel(q, k, projection, *, stabilize) -> (φq, φk)`` (linear-domain features: causal passes and
       ``favor_jax.parallel`` call it with ``stabilize=False``, so they must stay in float32's range).

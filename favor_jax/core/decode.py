@@ -132,7 +132,7 @@ def favor_decode_step(
     key: keys, shape [..., l, H, D].
     value: values, shape [..., l, H, Dv].
     projection: ω, [M, D] or [H, M, D], the one the state was made with.
-    kernel: the kernel the state was made with: a name in ``KERNELS`` or a :class:`~favor_jax.core.Kernel`
+    kernel: the kernel the state was made with: a name in ``KERNELS`` or a :class:`~favor_jax.core.kernels.Kernel`
       record, as in :func:`favor_attention`.
     key_mask: optional bool [..., l]; False leaves a key out.
     rho: a data-dependent kernel's statistic (required: decoding is causal), as in :func:`favor_attention`.

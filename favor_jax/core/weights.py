@@ -84,7 +84,7 @@ def attention_weights(
     query: queries, shape [..., Lq, H, D].
     key: keys, shape [..., Lk, H, D].
     projection: ω, [M, D] or [H, M, D]; None for ``"softmax"`` or a kernel that takes none.
-    kernel: ``"softmax"``, a name in ``KERNELS`` or a :class:`~favor_jax.core.Kernel` record, or a callable
+    kernel: ``"softmax"``, a name in ``KERNELS`` or a :class:`~favor_jax.core.kernels.Kernel` record, or a callable
       (as in :func:`favor_attention`).
     causal: whether query t sees only keys j ≤ t (needs Lq = Lk).
     key_mask: optional bool [..., Lk]; False leaves a key out (weight 0, whatever it holds).

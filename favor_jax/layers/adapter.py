@@ -38,7 +38,7 @@ def make_attention_fn(
   Args:
     projection: ω, [M, D] shared by the heads, [H, M, D] one per head, or None for a kernel that uses none
       (``taylor``, ``elu_plus_one``).
-    kernel: a name in ``core.KERNELS`` or a :class:`~favor_jax.core.Kernel` record, as in
+    kernel: a name in ``core.KERNELS`` or a :class:`~favor_jax.core.kernels.Kernel` record, as in
       :func:`~favor_jax.core.favor_attention`.
     causal: causal attention at every call (NNX's ``is_causal=True`` also asks for it at a call).
     rho: a data-dependent kernel's statistic, as in :func:`~favor_jax.core.favor_attention`.

@@ -44,7 +44,7 @@ def distillation_loss(
     query: queries, shape [..., L, H, D] (held fixed).
     key: keys, shape [..., L, H, D] (held fixed).
     feature_map: the map being fitted, [M, D] or [H, M, D] (a hedgehog layer's ``feature_map``).
-    kernel: a name in ``core.KERNELS`` or a :class:`~favor_jax.core.Kernel` record whose weights are positive
+    kernel: a name in ``core.KERNELS`` or a :class:`~favor_jax.core.kernels.Kernel` record whose weights are positive
       (not ``"softmax"``).
     causal: whether query t sees only keys j ≤ t.
     key_mask: optional bool [..., L]; False leaves a key out.

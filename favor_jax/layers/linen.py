@@ -108,7 +108,7 @@ class FavorAttention(nn.MultiHeadDotProductAttention):
   Attributes:
     num_features: M, the random projection's rows; None: 256. Refused by kernels without a random
       projection (``taylor``, ``elu_plus_one``, learned ``hedgehog``).
-    kernel: a name in ``core.KERNELS`` or a :class:`~favor_jax.core.Kernel` record (or a callable given the
+    kernel: a name in ``core.KERNELS`` or a :class:`~favor_jax.core.kernels.Kernel` record (or a callable given the
       projection).
     projection: ``"orthogonal"``, ``"iid"`` or ``"simplex"``; None: ``"orthogonal"``. Refused as
       ``num_features`` is.

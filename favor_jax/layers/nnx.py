@@ -97,7 +97,7 @@ class FavorAttention(nnx.MultiHeadAttention):
     out_features: as in ``nnx.MultiHeadAttention`` (None: ``in_features``).
     num_features: M, the random projection's rows; None: 256. Refused by kernels without a random
       projection (``taylor``, ``elu_plus_one``, learned ``hedgehog``).
-    kernel: a name in ``core.KERNELS`` or a :class:`~favor_jax.core.Kernel` record.
+    kernel: a name in ``core.KERNELS`` or a :class:`~favor_jax.core.kernels.Kernel` record.
     projection: ``"orthogonal"``, ``"iid"`` or ``"simplex"``; None: ``"orthogonal"``. Refused as
       ``num_features`` is.
     per_head_projection: True: [H, M, D], each head an independent draw (None: per head for learned

@@ -182,7 +182,7 @@ class FavorSettings:
   """What a FAVOR attention layer computes, fixed when it is built (see :meth:`build`; not for direct use).
 
   Attributes:
-    kernel: a name in ``core.KERNELS`` or a :class:`~favor_jax.core.Kernel` record, or a callable given the
+    kernel: a name in ``core.KERNELS`` or a :class:`~favor_jax.core.kernels.Kernel` record, or a callable given the
       projection.
     num_features: M of the random projection (None: ``DEFAULT_NUM_FEATURES``; None for kernels without one).
     projection: the random projection's kind (None: ``DEFAULT_PROJECTION``; None for kernels without one).
