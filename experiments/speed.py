@@ -51,6 +51,7 @@ ESTIMATORS = {
     "hybrid_w64": Estimator("positive", window=64),  # exact window of 64 + FAVOR+ beyond it
     "favor_pallas": Estimator("positive", causal_method="pallas"),  # the fused Pallas kernels (causal only)
     "favor_gated": Estimator("positive", gated=True),  # FAVOR+ with a forget gate (causal only)
+    "favor_pallas_gated": Estimator("positive", causal_method="pallas", gated=True),  # gated, fused kernels
 }
 
 
@@ -61,7 +62,7 @@ def estimator(name: str) -> Estimator:
   return ESTIMATORS[name] if name in ESTIMATORS else Estimator(name)
 
 
-CAUSAL_ONLY = ("favor_scan", "favor_cumsum", "favor_pallas", "favor_gated")
+CAUSAL_ONLY = ("favor_scan", "favor_cumsum", "favor_pallas", "favor_gated", "favor_pallas_gated")
 CHUNKED = ("chunked", "pallas")  # causal methods that compute the masked product inside chunks
 CHECK_ROWS = 256  # query rows compared with the float32 exact reference
 
@@ -312,8 +313,8 @@ def summarize(records, config) -> str:
         lines.append(f"- L={key[2]} {'causal' if key[1] else 'bidirectional'} {key[3]}: {r['method']} / FAVOR+ = "
                      f"{r['median_s'] / fav['median_s']:.1f}× time, "
                      f"{r['peak_bytes'] / fav['peak_bytes']:.1f}× memory")
-    if r["method"] == "favor_pallas":
-      for base in ("favor", "jax_dot_product_attention"):
+    if r["method"] in ("favor_pallas", "favor_pallas_gated"):
+      for base in ("favor_gated",) if r["method"] == "favor_pallas_gated" else ("favor", "jax_dot_product_attention"):
         other = t.get((base,) + key[1:])
         if other and other["status"] == "ok":
           lines.append(f"- L={key[2]} causal {key[3]}: {base} / fused Pallas = "
