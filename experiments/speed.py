@@ -24,12 +24,13 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from experiments import isolation, plotting
+from experiments import isolation, plotting, tpu_attention
 from experiments.timing import check_timing, median_of
 from favor_jax import core
 
 CHUNK = 64  # favor_attention's default chunk_size, for the FLOP count
-EXACT = ("softmax", "jax_dot_product_attention")
+# exact attention: ours, jax's (cuDNN on a GPU), jax's TPU flash and splash kernels (experiments/tpu_attention.py)
+EXACT = ("softmax", "jax_dot_product_attention") + tuple(tpu_attention.METHODS)
 
 
 class Estimator(NamedTuple):
@@ -87,6 +88,8 @@ def method(name, on_gpu):
       impl = "cudnn" if on_gpu and q.dtype in (jnp.bfloat16, jnp.float16) else None
       return jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation=impl)
     return exact
+  if name in tpu_attention.METHODS:
+    return tpu_attention.METHODS[name]
   return functools.partial(_linear, estimator(name))
 
 
@@ -113,7 +116,8 @@ def flops(name, causal, b, length, h, d, m, on_gpu=False):
   causal pass both ways)."""
   if name in EXACT:
     full = 4 * b * h * length * length * d
-    return full // 2 if causal and on_gpu and name == "jax_dot_product_attention" else full
+    skips = (on_gpu and name == "jax_dot_product_attention") or name in tpu_attention.METHODS  # blocks above
+    return full // 2 if causal and skips else full
   e = estimator(name)
   dq = e.qk_dim or d
   kern = core.get_kernel(e.kernel)
