@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
-# One short run on a lent NVIDIA GPU (under 8 minutes on an H200): the fused Pallas tests with the kernels
-# compiled by Triton, the speed study's causal configurations in bfloat16 (cuDNN, the XLA chunked pass, the
-# fused kernels) to L=131072, then the block-size sweep. Each stage has its own time limit (the stage limits
-# sum to 7.5 minutes) and the script goes on after a failed stage, so one run returns every result it can.
-# Results go under $OUT (default workdir/gpu): speed/ and blocks/ (each: results.json, summary.md, a plot).
+# One short run on a lent NVIDIA GPU (under 9 minutes on an H200): the fused Pallas tests with the kernels
+# compiled by Triton (gated and packed calls included), the speed study's causal configurations in bfloat16
+# (cuDNN, the XLA chunked pass, the fused kernels) to L=131072, a gated row (FAVOR+ with a forget gate, XLA
+# chunked vs the fused kernels), then the block-size sweep. Each stage has its own time limit (the stage limits
+# sum to 9 minutes) and the script goes on after a failed stage, so one run returns every result it can.
+# Results go under $OUT (default workdir/gpu): speed/, speed_gated/ and blocks/ (each: results.json,
+# summary.md, a plot).
 #   bash experiments/gpu_check.sh
 # A CPU dry run of the script itself (small sizes, Pallas interpreted):
-#   SPEED_LENS="(256,)" BLOCKS_CONFIG=experiments/configs/blocks.py:quick OUT=/tmp/g bash experiments/gpu_check.sh
+#   SPEED_LENS="(256,)" GATED_LENS="(256,)" BLOCKS_CONFIG=experiments/configs/blocks.py:quick OUT=/tmp/g \
+#     bash experiments/gpu_check.sh
 set -uo pipefail
 OUT=${OUT:-workdir/gpu}
 mkdir -p "$OUT"
@@ -29,6 +32,12 @@ timeout "${SPEED_TIMEOUT:-240}" python3 -m experiments.main --config=experiments
   --workdir="$OUT/speed" --config.dtype=bfloat16 --config.memory=compiled --config.causal="(True,)" \
   --config.methods="('jax_dot_product_attention', 'favor', 'favor_pallas')" \
   --config.seq_lens="${SPEED_LENS:-(4096, 16384, 65536, 131072)}" --config.repeats=3 2>&1 | grep -v "^|" | tail -60
+
+stage "gated speed row: FAVOR+ with a forget gate, XLA chunked vs fused Pallas (gates in the kernels)"
+timeout "${GATED_TIMEOUT:-90}" python3 -m experiments.main --config=experiments/configs/speed.py \
+  --workdir="$OUT/speed_gated" --config.dtype=bfloat16 --config.memory=compiled --config.causal="(True,)" \
+  --config.methods="('favor_gated', 'favor_pallas_gated')" \
+  --config.seq_lens="${GATED_LENS:-(16384, 65536)}" --config.repeats=3 2>&1 | grep -v "^|" | tail -30
 
 stage "block sizes: XLA chunk size, Pallas chunk/warps/feature block"
 timeout "${BLOCKS_TIMEOUT:-120}" python3 -m experiments.main --config="${BLOCKS_CONFIG:-experiments/configs/blocks.py}" \

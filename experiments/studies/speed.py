@@ -24,13 +24,14 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from experiments.studies import isolation
+from experiments.studies import isolation, tpu_attention
 from experiments.studies.timing import check_timing, median_of
 from experiments.train import plotting
 from favor_jax import core
 
 CHUNK = 64  # favor_attention's default chunk_size, for the FLOP count
-EXACT = ("softmax", "jax_dot_product_attention")
+# exact attention: ours, jax's (cuDNN on a GPU), jax's TPU flash and splash kernels (experiments/studies/tpu_attention.py)
+EXACT = ("softmax", "jax_dot_product_attention") + tuple(tpu_attention.METHODS)
 
 
 class Estimator(NamedTuple):
@@ -52,6 +53,7 @@ ESTIMATORS = {
     "hybrid_w64": Estimator("positive", window=64),  # exact window of 64 + FAVOR+ beyond it
     "favor_pallas": Estimator("positive", causal_method="pallas"),  # the fused Pallas kernels (causal only)
     "favor_gated": Estimator("positive", gated=True),  # FAVOR+ with a forget gate (causal only)
+    "favor_pallas_gated": Estimator("positive", causal_method="pallas", gated=True),  # gated, fused kernels
 }
 
 
@@ -62,7 +64,7 @@ def estimator(name: str) -> Estimator:
   return ESTIMATORS[name] if name in ESTIMATORS else Estimator(name)
 
 
-CAUSAL_ONLY = ("favor_scan", "favor_cumsum", "favor_pallas", "favor_gated")
+CAUSAL_ONLY = ("favor_scan", "favor_cumsum", "favor_pallas", "favor_gated", "favor_pallas_gated")
 CHUNKED = ("chunked", "pallas")  # causal methods that compute the masked product inside chunks
 CHECK_ROWS = 256  # query rows compared with the float32 exact reference
 
@@ -87,6 +89,8 @@ def method(name, on_gpu):
       impl = "cudnn" if on_gpu and q.dtype in (jnp.bfloat16, jnp.float16) else None
       return jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation=impl)
     return exact
+  if name in tpu_attention.METHODS:
+    return tpu_attention.METHODS[name]
   return functools.partial(_linear, estimator(name))
 
 
@@ -113,7 +117,8 @@ def flops(name, causal, b, length, h, d, m, on_gpu=False):
   causal pass both ways)."""
   if name in EXACT:
     full = 4 * b * h * length * length * d
-    return full // 2 if causal and on_gpu and name == "jax_dot_product_attention" else full
+    skips = (on_gpu and name == "jax_dot_product_attention") or name in tpu_attention.METHODS  # blocks above
+    return full // 2 if causal and skips else full
   e = estimator(name)
   dq = e.qk_dim or d
   kern = core.get_kernel(e.kernel)
@@ -313,8 +318,8 @@ def summarize(records, config) -> str:
         lines.append(f"- L={key[2]} {'causal' if key[1] else 'bidirectional'} {key[3]}: {r['method']} / FAVOR+ = "
                      f"{r['median_s'] / fav['median_s']:.1f}× time, "
                      f"{r['peak_bytes'] / fav['peak_bytes']:.1f}× memory")
-    if r["method"] == "favor_pallas":
-      for base in ("favor", "jax_dot_product_attention"):
+    if r["method"] in ("favor_pallas", "favor_pallas_gated"):
+      for base in ("favor_gated",) if r["method"] == "favor_pallas_gated" else ("favor", "jax_dot_product_attention"):
         other = t.get((base,) + key[1:])
         if other and other["status"] == "ok":
           lines.append(f"- L={key[2]} causal {key[3]}: {base} / fused Pallas = "

@@ -6,13 +6,17 @@ kernels lower to Triton for a GPU (what a GPU compiles; the run itself needs one
 import functools
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from favor_jax import core
-from favor_jax.core import attention, fused, kernels
+from favor_jax.core import attention, causal_xla, fused, kernels
 from favor_jax.core import causal as causal_lib
+from favor_jax.core import gates as gates_lib
+from favor_jax.core import state as state_lib
+from tests.core import test_gates as gate_tests
 from tests.core.test_numerics import explicit
 
 B, L, H, D, DV, M = 2, 37, 2, 8, 12, 16  # odd length (three chunks of 16, padded), Dv ≠ D
@@ -251,19 +255,23 @@ def test_second_derivatives_are_refused_by_name_and_first_ones_still_run():
 
 
 def test_forward_and_backward_lower_to_triton_for_a_gpu():
-  """What a GPU compiles: Pallas lowers every kernel to Triton here too (unsupported operations fail now)."""
+  """What a GPU compiles: Pallas lowers every kernel to Triton here too (unsupported operations fail now),
+  plain and gated (the gate's running sums inside a chunk are a Triton scan), at each precision."""
   q, k, v, mask = (x[:1] for x in _inputs(length=128))
   proj, _ = _params("positive", q, k, mask)
   blocks = fused.blocks_for(64, interpret=False)
+  gate = jnp.log(jnp.linspace(0.5, 1.0, 128 * H)).reshape(1, 128, H).at[0, 70].set(-jnp.inf)
 
-  def loss(q, k, v, proj):
+  def loss(q, k, v, proj, gate, precision):
     feature_fn = attention._feature_fn("positive", proj, None, q, k, mask, True)
-    num, den = fused.causal(feature_fn, q, k, v, mask, blocks=blocks)
+    num, den = fused.causal(feature_fn, q, k, v, mask, blocks=blocks, gate=gate, precision=precision)
     return jnp.sum(num / den[..., None])
 
-  for dtype in (jnp.float32, jnp.bfloat16):
-    args = tuple(x.astype(dtype) for x in (q, k, v)) + (proj,)
-    for fn, kernels_in_it in ((loss, 2), (jax.grad(loss, argnums=(0, 1, 2, 3)), 4)):
+  for dtype, g, precision in ((jnp.float32, None, None), (jnp.bfloat16, None, None), (jnp.float32, gate, None),
+                              (jnp.bfloat16, gate, jax.lax.Precision.HIGHEST)):
+    args = tuple(x.astype(dtype) for x in (q, k, v)) + (proj, g)
+    for fn, kernels_in_it in ((loss, 2), (jax.grad(loss, argnums=(0, 1, 2, 3, 4)), 4)):
+      fn = functools.partial(fn, precision=precision)
       text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
       assert text.count("__gpu$xla.gpu.triton") == kernels_in_it
 
@@ -285,3 +293,159 @@ def test_auto_takes_the_fused_kernels_only_for_exponential_features_on_a_gpu(nam
   causal_lib.auto(feature_fn, q, k, v, mask, chunk_size=16)
   causal_lib.auto(feature_fn, q, k, v, mask, chunk_size=24)  # not a power of two: the XLA pass
   assert taken == ["chunked", "pallas" if name in FUSED else "chunked", "chunked"]
+
+
+# Gated and packed calls (issue 46): a forget gate from no decay to exact zeros (log 0 = −∞, a reset), and
+# segments starting inside a chunk (5, 27) and on a chunk's first row (16); L = 37 is not a multiple of 16.
+GATE_VALUES = (1.0, 0.97, 0.5, 1e-3, 1e-30, 0.0)
+SEGMENTS = np.repeat(np.asarray([[0, 1, 2, 3], [4, 5, 6, 7]]), [5, 11, 11, 10], axis=1)  # starts 5, 16, 27
+
+
+def _gates(finite=False):
+  """log f [B, L, H] drawn from GATE_VALUES (``finite``: without the exact zeros) with a reset at 16."""
+  rng = np.random.default_rng(3)
+  values = np.asarray(GATE_VALUES[:-1] if finite else GATE_VALUES)
+  p = np.linspace(3.0, 1.0, len(values))
+  f = rng.choice(values, size=(B, L, H), p=p / p.sum())
+  with np.errstate(divide="ignore"):
+    return jnp.asarray(np.log(f), jnp.float32)
+
+
+@functools.cache
+def _gated(fallback):
+  """(q, k, v, proj, mask, log gate, segment ids) -> (num, den, scale) of the fused pass with gates, jitted."""
+
+  def run(q, k, v, proj, mask, log_gate, segment_ids):
+    feature_fn = attention._feature_fn("positive", proj, None, q, k, mask, True)
+    gate = gates_lib.prepare(log_gate, segment_ids, q, True).log  # segment starts become −∞ gates
+    back = functools.partial(causal_xla.chunked, block_chunks=1)
+    return fused.causal(feature_fn, q, k, v, mask, chunk_size=16, return_scale=True, gate=gate,
+                        fallback=back if fallback else None)
+
+  return jax.jit(run)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_gated_and_packed_calls_equal_the_explicit_gated_form(dtype):
+  """Outputs at ×1/×7/×20 against the float64 gated quadratic form (tests/core/test_gates.py's, on the same
+  rounded inputs): the fused pass itself where it keeps every row (×1: asserted), and through its redo where
+  it detects rows whose terms it lost (×20: asserted to happen). Rows cut off from every key by a reset and a
+  masked key are 0 with scale −∞; no other row is a silent zero."""
+  q0, k0, v, mask = _inputs()
+  proj, _ = _params("positive", q0, k0, mask)
+  for scale in (1.0, 7.0, 20.0):
+    no_gate, one_segment = jnp.zeros((B, L, H)), np.zeros((B, L), np.int32)  # (arrays: one compilation)
+    for log_gate, segment_ids in ((_gates(), one_segment), (no_gate, SEGMENTS), (_gates(), SEGMENTS)):
+      q, k, vv = (x.astype(dtype) for x in (scale * q0, scale * k0, v))
+      args = (q, k, vv, proj, mask, log_gate, segment_ids)
+      bias = gate_tests.decay(log_gate, segment_ids)
+      rounded = (np.asarray(x, np.float32) for x in (q, k, vv))
+      want, _ = gate_tests.explicit("positive", *rounded, proj, None, mask, bias)
+      tol = (2e-2 if dtype == jnp.bfloat16 else 1e-5) * scale ** 2 * np.max(np.abs(want))
+      what = f"×{scale} gate={log_gate is not no_gate} segments={segment_ids is not one_segment}"
+      num, den, row_scale = _gated(True)(*args)
+      got = _ratio(num, den)
+      np.testing.assert_allclose(got, want, atol=tol, err_msg=what)
+      assert not np.any(np.all(got == 0, -1) & ~np.all(want == 0, -1)), what
+      num, den, row_scale = _gated(False)(*args)
+      lost = np.asarray(fused.lost_rows(den, row_scale))
+      assert lost.any() == (scale == 20.0) or scale == 7.0, what  # ×1 kept, ×20 detected (×7: either)
+      kept = ~lost
+      np.testing.assert_allclose(_ratio(num, den)[kept], want[kept], atol=tol, err_msg=what + " (fused rows)")
+      empty = np.all(want == 0, -1)
+      assert np.all(np.isneginf(np.asarray(row_scale))[empty] | np.asarray(~mask)[:, :, None].repeat(H, 2)[empty])
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_gated_gradients_including_the_gates_equal_the_explicit_forms(dtype):
+  """∂q, ∂k, ∂v, ∂projection and ∂log-gate of a gated, packed call through the kernels' own backward (×1 and
+  ×4, where they keep every row: asserted; where they do not, ×7 and up, the call is the XLA pass's) against the
+  explicit float32 form's (each row's largest term held constant; tests/core/test_gates.py), on the same
+  rounded inputs: float32 to 2e-4 of the largest, bfloat16 within its rounding (4e-2). Gates are finite (an
+  exact zero has no derivative of its log) but for the segment starts."""
+  q0, k0, v, mask = _inputs()
+  proj, _ = _params("positive", q0, k0, mask)
+  log_gate, segment_ids = _gates(finite=True), jnp.asarray(SEGMENTS)
+  cot = jnp.cos(jnp.arange(B * L * H * DV).reshape(B, L, H, DV))
+
+  def fused_loss(q, k, v, proj, g):
+    num, den, scale = _gated(False)(q, k, v, proj, mask, g, segment_ids)  # the kernels' own backward
+    return jnp.sum(state_lib.divide(num, den).astype(jnp.float32) * cot), jnp.sum(fused.lost_rows(den, scale))
+
+  def reference(q, k, v, proj, g):
+    bias = gate_tests.decay(g, segment_ids, xp=jnp)
+    return jnp.sum(gate_tests.explicit("positive", q, k, v, proj, None, mask, bias, xp=jnp)[0] * cot)
+
+  grads = jax.jit(jax.grad(fused_loss, argnums=(0, 1, 2, 3, 4), has_aux=True))
+  for scale in (1.0, 4.0):
+    args = tuple(x.astype(dtype) for x in (scale * q0, scale * k0, v))
+    got, lost = grads(*args, proj, log_gate)
+    assert lost == 0, f"×{scale}: the fused backward itself must be what is checked"
+    want = jax.grad(reference, argnums=(0, 1, 2, 3, 4))(*(x.astype(jnp.float32) for x in args), proj, log_gate)
+    for what, a, b in zip(("query", "key", "value", "projection", "gate"), got, want):
+      a, b = np.asarray(a, np.float32), np.asarray(b)
+      assert np.all(np.isfinite(a)) and np.max(np.abs(b)) > 0, what
+      tol = 4e-2 if dtype == jnp.bfloat16 else 2e-4
+      np.testing.assert_allclose(a, b, atol=tol * np.max(np.abs(b)), err_msg=f"d/d{what} ×{scale}")
+
+
+def test_a_future_gate_or_key_changes_no_past_row_and_a_bad_gate_shape_or_precision_is_refused():
+  q, k, v, mask = _inputs()
+  proj, _ = _params("positive", q, k, mask)
+  t = 20  # inside the second chunk
+  g = _gates()
+  run = _gated(False)
+  segments = jnp.zeros((B, L), jnp.int32)
+  base = run(q, k, v, proj, mask, g, segments)
+  moved = run(q, k.at[:, t + 1].multiply(30.0), v.at[:, t + 1:].add(7.0), proj, mask,
+              g.at[:, t + 1:].set(-50.0).at[:, t + 3].set(-jnp.inf), segments.at[:, t + 2].set(1))
+  for a, b in zip(base[:2], moved[:2]):
+    np.testing.assert_allclose(np.asarray(b)[:, :t + 1], np.asarray(a)[:, :t + 1], rtol=1e-5, atol=1e-6)
+  feature_fn = attention._feature_fn("positive", proj, None, q, k, mask, True)
+  with pytest.raises(ValueError, match=r"gate must have shape \[N, L, H\]"):
+    fused.causal(feature_fn, q, k, v, mask, chunk_size=16, gate=g[:, :, :1])
+  with pytest.raises(ValueError, match="precision must be None or a jax.lax.Precision"):
+    fused.causal(feature_fn, q, k, v, mask, chunk_size=16, precision="quick")
+
+
+def _kernel_dots(jaxpr):
+  """Every dot_general inside the pallas_calls of ``jaxpr`` (their loops included)."""
+  found = []
+
+  def walk(jx, inside):
+    for eqn in jx.eqns:
+      if inside and eqn.primitive.name == "dot_general":
+        found.append(eqn)
+      for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+        walk(sub, inside or eqn.primitive.name == "pallas_call")
+
+  walk(jaxpr.jaxpr, False)
+  return found
+
+
+@pytest.mark.parametrize("gated", [False, True], ids=["plain", "gated"])
+def test_precision_reaches_every_product_of_the_kernels_forward_and_backward(gated):
+  """``precision=HIGHEST``: every product of the four kernels (forward and backward) is asked at HIGHEST with
+  float32 operands, bfloat16 inputs included; None (with no global default set): the backend's default, and
+  bfloat16 inputs multiply their features as bfloat16."""
+  q, k, v, mask = (x[:1] for x in _inputs(length=32))
+  q, k, v = (x.astype(jnp.bfloat16) for x in (q, k, v))
+  proj, _ = _params("positive", q, k, mask)
+  g = _gates()[:1, :32] if gated else None
+
+  def loss(precision, q, k, v, proj):
+    feature_fn = attention._feature_fn("positive", proj, None, q, k, mask, True)
+    num, den = fused.causal(feature_fn, q, k, v, mask, chunk_size=16, gate=g, precision=precision)
+    return jnp.sum(state_lib.divide(num, den).astype(jnp.float32))
+
+  for precision in (jax.lax.Precision.HIGHEST, None):
+    with jax.default_matmul_precision(None):
+      dots = _kernel_dots(jax.make_jaxpr(jax.grad(functools.partial(loss, precision), argnums=(0, 1, 2, 3)))(
+          q, k, v, proj))
+    assert len(dots) >= 4 * 2, len(dots)  # at least two products in each of the four kernels
+    operands = {tuple(x.aval.dtype.name for x in eqn.invars) for eqn in dots}
+    asked = {eqn.params["precision"] for eqn in dots}
+    if precision is None:
+      assert asked == {None} and ("bfloat16", "bfloat16") in operands, (asked, operands)
+    else:
+      assert asked == {(precision, precision)} and operands == {("float32", "float32")}, (asked, operands)

@@ -1,0 +1,253 @@
+"""The bodies of the fused causal kernels (internal; launched by :mod:`favor_jax.core.fused`, which describes the
+algorithm). Written with ``jax.numpy`` and Pallas refs only, so Triton compiles them on a GPU and Pallas's
+interpreter runs them anywhere.
+
+Forget gates (``Blocks.gated``): g_l ≤ 0 per row (−∞: a reset), the decay of key j at row t e^{D_tj},
+D_tj = Σ_{j<l≤t} g_l. Per chunk the kernels read g, b_t = Σ_{chunk start≤l≤t} g_l (the decay from the
+chunk's start to row t, where the state before the chunk is referenced) and e_j = Σ_{j<l≤chunk end} g_l (the
+decay from key j to the chunk's end); the chunk's own D is a running sum of gates down its rows (never a
+difference of running sums: no cancellation, and a −∞ gate gives −∞, never ∞ − ∞).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from favor_jax.core.state import SAFE_GAP
+
+NEG_INF = -jnp.inf
+
+
+class Blocks(NamedTuple):
+  """Static launch choices: chunk rows C, feature block (sequential kernels), Triton warps, interpreter.
+
+  ``operands``: "bfloat16" where every input is bfloat16 and ``precision`` asks for no more (products of
+  features take it, see ``dot``); ``gated``: the kernels take forget gates; ``precision``: None (the
+  backend's default) or a ``jax.lax.Precision`` for every product (see ``dot``).
+  """
+  chunk: int
+  block_f: int
+  num_warps: int
+  interpret: bool
+  operands: str = "float32"
+  gated: bool = False
+  precision: Any = None
+
+
+def safe(x):
+  """−∞ → 0 (no key: an offset that multiplies only zeros); comparisons, since Triton has no isfinite."""
+  return jnp.where(x == NEG_INF, 0.0, x)
+
+
+def dot(a, b, blocks, trans_a=False, trans_b=False, state=False):
+  """A matrix product, accumulated in float32, at ``blocks.precision`` (None: the backend's default for its
+  operands: on a GPU TF32 for float32 operands, as XLA's own float32 products there; HIGHEST: full float32).
+
+  Float32 operands unless ``blocks.operands`` is "bfloat16" (every input bfloat16, precision None or
+  DEFAULT): then products of features, values and cotangents take bfloat16 (tensor cores), and products with
+  a float32 state (``state``: its dynamic range is large) float32 operands. Never float16: features span
+  e^{−SAFE_GAP}..1 and float16 flushes below e^{−17} (a row's own terms would vanish)."""
+  if blocks.operands == "float32" or state:
+    return plgpu.dot(a.astype(jnp.float32), b.astype(jnp.float32), trans_a, trans_b, precision=blocks.precision)
+  dtype = jnp.dtype(blocks.operands)
+  return plgpu.dot(a.astype(dtype), b.astype(dtype), trans_a, trans_b)
+
+
+def _rows_cols(c):
+  return jnp.arange(c)[:, None], jnp.arange(c)[None, :]
+
+
+def decay(g):
+  """The chunk's decays D [C, C] from its gates g [C]: D_tj = Σ_{j<l≤t} g_l for j ≤ t, −∞ for j > t; summed
+  down the rows (D_tj = Σ_{t'≤t, t'>j} g_t'), every term ≤ 0."""
+  t, j = _rows_cols(g.shape[0])
+  d = jnp.cumsum(jnp.where(t > j, g[:, None], 0.0), axis=0)
+  return jnp.where(t >= j, d, NEG_INF)
+
+
+def empty_state(bf, e):
+  """(μ [bf], S [bf, E], z [bf]) of no rows: μ = −∞, S = 0, z = 0."""
+  return (jnp.full((bf,), NEG_INF, jnp.float32), jnp.zeros((bf, e), jnp.float32), jnp.zeros((bf,), jnp.float32))
+
+
+def absorb(carry, g, x, w, blocks, a=None):
+  """The state recurrences' step (prefix states forward, suffix sums backward): decay (μ, S, z) by e^{a} (a
+  gated chunk's total log gate), then add rows with log weights g [C, bf], values x [C, E] and z-weights w [C]
+  (None: 1), rescaled to the new maximum μ':
+
+      μ' = max(μ + a, max_rows g),  S' = S e^{μ+a−μ'} + Σ_rows e^{g−μ'} x,  z' = z e^{μ+a−μ'} + Σ_rows e^{g−μ'} w.
+  """
+  mu, s, z = carry
+  mu = mu if a is None else mu + a
+  new = jnp.maximum(mu, jnp.max(g, axis=0))
+  shrink = jnp.exp(mu - safe(new))
+  p = jnp.exp(g - safe(new)[None, :])
+  z_add = jnp.sum(p if w is None else p * w[:, None], axis=0)
+  return new, s * shrink[:, None] + dot(p, x, blocks, trans_a=True), z * shrink + z_add
+
+
+def _store(refs, c, carry):
+  for ref, x in zip(refs, carry):
+    ref[c, ...] = x
+
+
+def _split(refs, n_gate):
+  """(gate refs or None, the rest): the gate inputs come after the others."""
+  return (tuple(refs[:n_gate]) or None), refs[n_gate:]
+
+
+def states_kernel(lk_ref, v_ref, *refs, blocks, n_chunks):
+  """Exclusive prefix states before every chunk (and after the last): μ [c+1, F], S [c+1, F, E], z [c+1, F];
+  gated (refs: b, e): each referenced at the end of the chunk before (e_j: key j's decay to its chunk's end)."""
+  gate_refs, (mu_ref, s_ref, z_ref) = _split(refs, 2 if blocks.gated else 0)
+  c_rows, bf = blocks.chunk, lk_ref.shape[-1]
+
+  def body(c, carry):
+    _store((mu_ref, s_ref, z_ref), c, carry)
+    rows = pl.ds(c * c_rows, c_rows)
+    lk = lk_ref[rows, :]
+    if gate_refs is None:
+      return absorb(carry, lk, v_ref[rows, :], None, blocks)
+    b, e = gate_refs[0][rows], gate_refs[1][rows]
+    return absorb(carry, lk + e[:, None], v_ref[rows, :], None, blocks, a=jnp.min(b))  # min b: the chunk's total
+
+  last = jax.lax.fori_loop(0, n_chunks, body, empty_state(bf, v_ref.shape[-1]))
+  _store((mu_ref, s_ref, z_ref), n_chunks, last)
+
+
+def _feature_blocks(f, bf):
+  return [slice(i, i + bf) for i in range(0, f, bf)]
+
+
+def chunk_scales(lq_ref, lk_ref, mu_ref, gate_refs, fbs, m=None):
+  """(m [C], c [C, 1], W [C, C], unsafe [C] or None): row t's scale m_t, the scale c_t of its chunk products
+  e^{ℓq_t + λ − c_t}·e^{ℓk_j − λ} (λ the chunk's per-feature key maximum) and W, what multiplies them.
+
+  Plain: m_t = c_t = max(max_f(ℓq_tf + μ_f), max_f(ℓq_tf + λ_f)), W the lower triangle's 0/1. Gated (``m``
+  given: the forward's): m_t = max(max_f(ℓq_tf + μ_f) + b_t, min(c_t, max_f ℓq_tf + max_j(max_f ℓk_jf + D_tj))),
+  c_t = max_f(ℓq_tf + λ_f), both bounds of every decayed term of row t (the second one near it when nearer
+  keys decayed), W = e^{D + c − m} (capped at e^{SAFE_GAP}); ``unsafe``: rows where a key has the cap
+  binding (its terms may be lost: marked, the call is redone)."""
+  c_rows = lq_ref.shape[0]
+  t, j = _rows_cols(c_rows)
+  if gate_refs is None and m is not None:
+    return m, safe(m)[:, None], (t >= j).astype(jnp.float32), None
+  inter = sc = qmax = jnp.full((c_rows,), NEG_INF, jnp.float32)
+  kmax = jnp.full((c_rows,), NEG_INF, jnp.float32)
+  for fb in fbs:
+    lq, lk = lq_ref[:, fb], lk_ref[:, fb]
+    inter = jnp.maximum(inter, jnp.max(lq + mu_ref[fb][None, :], axis=1))
+    sc = jnp.maximum(sc, jnp.max(lq + jnp.max(lk, axis=0)[None, :], axis=1))
+    qmax, kmax = jnp.maximum(qmax, jnp.max(lq, axis=1)), jnp.maximum(kmax, jnp.max(lk, axis=1))
+  if gate_refs is None:
+    m = jnp.maximum(inter, sc)
+    return m, safe(m)[:, None], (t >= j).astype(jnp.float32), None
+  d = decay(gate_refs[0][...])
+  if m is None:
+    near = qmax + jnp.max(kmax[None, :] + d, axis=1)
+    m = jnp.maximum(inter + gate_refs[1][...], jnp.minimum(sc, near))
+  gain = d + (safe(sc) - safe(m))[:, None]
+  reach = jnp.max(jnp.where(kmax[None, :] == NEG_INF, NEG_INF, gain), axis=1)  # over keys with a term
+  return m, safe(sc)[:, None], jnp.exp(jnp.minimum(gain, SAFE_GAP)), reach > SAFE_GAP
+
+
+def output_kernel(lq_ref, lk_ref, v_ref, mu_ref, s_ref, z_ref, *refs, blocks):
+  """One chunk's rows: numerator [C, E], denominator [C] and row scale m [C] (−∞ only if no finite key;
+  see ``chunk_scales``); a gated row whose terms may be lost gets denominator 0 (detected by the caller)."""
+  gate_refs, (num_ref, den_ref, m_ref) = _split(refs, 2 if blocks.gated else 0)
+  c_rows, f = lq_ref.shape
+  fbs = _feature_blocks(f, blocks.block_f)
+  m, scale, weights, unsafe = chunk_scales(lq_ref, lk_ref, mu_ref, gate_refs, fbs)
+  read = safe(m)[:, None] - (0.0 if gate_refs is None else gate_refs[1][...][:, None])  # the state: at μ + b_t
+  num = jnp.zeros(num_ref.shape, jnp.float32)
+  den = jnp.zeros((c_rows,), jnp.float32)
+  a = jnp.zeros((c_rows, c_rows), jnp.float32)
+  for fb in fbs:
+    lq, lk, mu = lq_ref[:, fb], lk_ref[:, fb], mu_ref[fb]
+    lam = jnp.max(lk, axis=0)
+    q_state = jnp.exp(lq + mu[None, :] - read)
+    num += dot(q_state, s_ref[fb, :], blocks, state=True)
+    den += jnp.sum(q_state * z_ref[fb][None, :], axis=1)
+    a += dot(jnp.exp(lq + lam[None, :] - scale), jnp.exp(lk - safe(lam)[None, :]), blocks, trans_b=True)
+  a = a * weights
+  num_ref[...] = num + dot(a, v_ref[...], blocks)
+  den = den + jnp.sum(a, axis=1)
+  den_ref[...] = den if unsafe is None else jnp.where(unsafe, 0.0, den)
+  m_ref[...] = m
+
+
+def suffix_kernel(lq_ref, mq_ref, dnum_ref, dden_ref, *refs, blocks, n_chunks):
+  """Exclusive suffix sums after every chunk: R_c = Σ_{t later} e^{ℓq_t − m_t − ν_c}[dnum_t], rz_c likewise;
+  gated (refs: b): referenced at the chunk's end (b_t: the decay from a chunk's start to row t)."""
+  gate_refs, (nu_ref, r_ref, rz_ref) = _split(refs, 1 if blocks.gated else 0)
+  c_rows, bf = blocks.chunk, lq_ref.shape[-1]
+
+  def body(i, carry):
+    c = n_chunks - 1 - i
+    _store((nu_ref, r_ref, rz_ref), c, carry)
+    rows = pl.ds(c * c_rows, c_rows)
+    g = lq_ref[rows, :] - mq_ref[rows][:, None]  # −∞ for rows that see no key
+    if gate_refs is None:
+      return absorb(carry, g, dnum_ref[rows, :], dden_ref[rows], blocks)
+    b = gate_refs[0][rows]
+    return absorb(carry, g + b[:, None], dnum_ref[rows, :], dden_ref[rows], blocks, a=jnp.min(b))
+
+  jax.lax.fori_loop(0, n_chunks, body, empty_state(bf, dnum_ref.shape[-1]))
+
+
+def grads_kernel(lq_ref, lk_ref, v_ref, ms_ref, dnum_ref, dden_ref, mu_ref, s_ref, z_ref, nu_ref, r_ref, rz_ref,
+                 *refs, blocks):
+  """One chunk's ∂ℓq [C, F], ∂ℓk [C, F], ∂v [C, E] (and gated, refs g, b, e: ∂g [C]) given the cotangents of
+  numerator and denominator.
+
+  The gate's: with P_tj = ∂loss/∂(term t, j) · (term t, j), ∂g_l = Σ over the pairs j < l ≤ t of P_tj, split
+  by where the pair lies: both in the chunk (its rows' sums of P over t ≥ l, less its keys' over j ≥ l), an
+  earlier key (row t ≥ l reading the state), a later row (key j < l read by a later chunk), or both outside
+  (⟨prefix state, suffix sum⟩ across the chunk); each part a sum of its own pairs."""
+  gate_refs, (dlq_ref, dlk_ref, dv_ref, *dg_ref) = _split(refs, 3 if blocks.gated else 0)
+  c_rows, f = lq_ref.shape
+  fbs = _feature_blocks(f, blocks.block_f)
+  _, scale, weights, _ = chunk_scales(lq_ref, lk_ref, mu_ref, gate_refs, fbs, m=ms_ref[...])
+  v, dnum, dden = v_ref[...], dnum_ref[...], dden_ref[...]
+  ms = ms_ref[...][:, None]
+  if gate_refs is None:
+    read, b_end, k_end = ms, None, 0.0
+  else:
+    b, e = gate_refs[1][...], gate_refs[2][...]
+    read, b_end, k_end = ms - b[:, None], jnp.min(b), e[:, None]
+    row_state = key_later = jnp.zeros((c_rows,), jnp.float32)
+    across = jnp.zeros((), jnp.float32)
+  g = (dot(dnum, v, blocks, trans_b=True) + dden[:, None]) * weights  # ∂/∂(row t's term j)
+  a = jnp.zeros((c_rows, c_rows), jnp.float32)
+  dv = jnp.zeros(dv_ref.shape, jnp.float32)
+  for fb in fbs:
+    lq, lk, mu, nu = lq_ref[:, fb], lk_ref[:, fb], mu_ref[fb], nu_ref[fb]
+    lam = jnp.max(lk, axis=0)
+    q_state = jnp.exp(lq + mu[None, :] - read)
+    q_chunk = jnp.exp(lq + lam[None, :] - scale)
+    k_chunk = jnp.exp(lk - safe(lam)[None, :])
+    k_later = jnp.exp(lk + k_end + nu[None, :])  # ≤ 1: ν ≤ −(ℓk + decay) for keys that later rows see
+    a += dot(q_chunk, k_chunk, blocks, trans_b=True)
+    from_state = dot(dnum, s_ref[fb, :], blocks, trans_b=True, state=True) + dden[:, None] * z_ref[fb][None, :]
+    dlq_state = q_state * from_state
+    dlk_later = k_later * (dot(v, r_ref[fb, :], blocks, trans_b=True, state=True) + rz_ref[fb][None, :])
+    dlq_ref[:, fb] = dlq_state + q_chunk * dot(g, k_chunk, blocks)
+    dlk_ref[:, fb] = k_chunk * dot(g, q_chunk, blocks, trans_a=True) + dlk_later
+    dv += dot(k_later, r_ref[fb, :], blocks, state=True)
+    if gate_refs is not None:
+      row_state += jnp.sum(dlq_state, axis=1)
+      key_later += jnp.sum(dlk_later, axis=1)
+      inner = jnp.sum(s_ref[fb, :] * r_ref[fb, :], axis=1) + z_ref[fb] * rz_ref[fb]
+      across += jnp.sum(jnp.exp(mu + b_end + nu) * inner)  # ≤ 1 each: a product of two states' maxima
+  dv_ref[...] = dv + dot(a * weights, dnum, blocks, trans_a=True)
+  if gate_refs is not None:
+    pairs = g * a  # P_tj
+    l, t = _rows_cols(c_rows)
+    from_rows = jnp.sum(pairs, axis=1) + row_state - jnp.sum(pairs, axis=0)  # [t]; the last: keys j = t
+    dg_ref[0][...] = (jnp.sum(jnp.where(t >= l, from_rows[None, :], 0.0), axis=1)
+                      + jnp.sum(jnp.where(t < l, key_later[None, :], 0.0), axis=1) + across)
