@@ -21,7 +21,7 @@ import json
 import math
 import pathlib
 
-ROOT = pathlib.Path(__file__).resolve().parent
+ROOT = pathlib.Path(__file__).resolve().parents[1]  # experiments/
 RESULTS = ROOT / "results"
 
 # Published peak rates: dense bfloat16 matrix FLOP/s and HBM bytes/s per chip.

@@ -13,7 +13,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from experiments import emulation, tasks
+from experiments import tasks
+from experiments.studies import emulation
 from favor_jax import core
 
 # mode -> explicit mantissa bits of each dot's operands (None: precision="highest", float32)
