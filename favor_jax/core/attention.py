@@ -145,7 +145,7 @@ def linear_attention(
   inputs.validate(query_features, key_features, value, key_mask, causal, "query_features", "key_features")
   checks.check_causal_method(causal_method, causal_lib.CAUSAL_METHODS, causal)
   chunk_size = checks.check_chunk_size(chunk_size)
-  gates = gates_lib.prepare(log_gate, segment_ids, query_features, causal, method=causal_method)
+  gates = gates_lib.prepare(log_gate, segment_ids, query_features, causal)
   return _linear(features_lib.as_given(), query_features, key_features, value, key_mask, causal, causal_method,
                  chunk_size, in_range=False, gates=gates)
 
@@ -222,7 +222,7 @@ def favor_attention(
   inputs.validate(query, key, value, key_mask, causal, query_mask=query_mask)
   checks.check_causal_method(causal_method, causal_lib.CAUSAL_METHODS, causal)
   chunk_size = checks.check_chunk_size(chunk_size)
-  gates = gates_lib.prepare(log_gate, segment_ids, query, causal, method=causal_method)
+  gates = gates_lib.prepare(log_gate, segment_ids, query, causal)
   features = _feature_fn(kernel, projection, rho, query, key, key_mask, causal, blocked=gates is not None,
                          query_mask=query_mask)
   return _linear(features, query, key, value, key_mask, causal, causal_method, chunk_size, gates=gates)
