@@ -71,13 +71,16 @@ def _unavailable(message, like, features, q, k, v, gate):
     avals = tuple(jax.core.ShapedArray(x.shape, x.dtype) for x in leaves)
     return jax.tree.unflatten(structure, _unavailable_p.bind(avals=avals, message=message))
 
+  logs = [f.log for f in head_major(features, q, k) if f.log is not None]
+  inputs = [x for x in (q, k, v, gate, *logs) if x is not None and jnp.issubdtype(x.dtype, jnp.inexact)]
+  shapes = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in inputs]
+
   @jax.custom_vjp
   def fail(*inputs):
     return bind(like)
 
-  fail.defvjp(lambda *inputs: (bind(like), inputs), lambda inputs, _: bind(inputs))
-  logs = [f.log for f in head_major(features, q, k) if f.log is not None]
-  return fail(*(x for x in (q, k, v, gate, *logs) if x is not None and jnp.issubdtype(x.dtype, jnp.inexact)))
+  fail.defvjp(lambda *inputs: (bind(like), None), lambda _, ct: tuple(bind(shapes)))  # keeps nothing
+  return fail(*inputs)
 
 
 def _xla(precision):

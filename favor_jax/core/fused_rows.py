@@ -23,12 +23,13 @@ NEG_INF = -jnp.inf
 
 class Rows(NamedTuple):
   """A call's inputs as rows: ``log_rows(q, k, mask, *consts)`` -> log features [R, L, F] (float32, −∞ for masked keys,
-  padded features and positions), v [R, L, E] (the value, a column of ones, zeros), gate [R, L] or None,
+  padded features and positions), ``value_rows(v)`` -> [R, L, E] (the value, a column of ones, zeros; a
+  function of v alone, so that a custom VJP keeps v, not its padded rows), gate [R, L] or None,
   seen [R, L] bool (a key in reach: unmasked, at or before the row, no reset in between), and ``back``
   ([R, L, ...] -> [N, L, H, ...], the padding cut)."""
   log_rows: Callable
   consts: list
-  v: Array
+  value_rows: Callable
   gate: Array | None
   seen: Array
   back: Callable
@@ -64,8 +65,10 @@ def prepare(features, q, k, v, mask, gate, *, chunk: int, lane: int) -> Rows:
   # an argument too (closure_convert hoists floats only: a traced bool left in the closure leaks out of a
   # platform_dependent branch differentiated by grad).
   log_rows, consts = jax.closure_convert(log_rows, q, k, mask)
-  ones = jnp.ones(v.shape[:-1] + (1,), v.dtype)
-  vv = rows(jnp.swapaxes(jnp.concatenate([v, ones], axis=-1), 1, 2), 0.0, ep)
+
+  def value_rows(v):  # [N, L, H, Dv] -> [R, L, E]: the value, a column of ones (the denominator), zeros
+    ones = jnp.ones(v.shape[:-1] + (1,), v.dtype)
+    return rows(jnp.swapaxes(jnp.concatenate([v, ones], axis=-1), 1, 2), 0.0, ep)
   position = jnp.arange(length)
   last_key = _running_max(jnp.where(mask, position, -1))[:, None, :]  # [N, 1, L]
   g = None
@@ -78,7 +81,7 @@ def prepare(features, q, k, v, mask, gate, *, chunk: int, lane: int) -> Rows:
     g = rows(g, 0.0)
   seen = rows(seen, False)
   back = lambda x: jnp.swapaxes(x[:, :length].reshape((n, h, length) + x.shape[2:]), 1, 2)
-  return Rows(log_rows, consts, vv, g, seen, back)
+  return Rows(log_rows, consts, value_rows, g, seen, back)
 
 
 def gate_grad(x, g):

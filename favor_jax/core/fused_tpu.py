@@ -228,23 +228,25 @@ def _forward(lq, lk, v, g, cfg):
                [("e", jnp.float32), ("1", jnp.float32)])
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _fused(log_rows, cfg, q, k, v, g, seen, mask, *consts):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _fused(log_rows, value_rows, cfg, q, k, v, g, seen, mask, *consts):
   """(y [R, L, E], m [R, L, 1]): [numerator, denominator] times e^{−m} of the features ``log_rows(q, k, mask,
-  *consts)`` (padded [R, L, F] float32 logs), v [R, L, E] with its column of ones, g [R, L] log gates or None,
+  *consts)`` (padded [R, L, F] float32 logs), ``value_rows(v)`` [R, L, E] (v with its column of ones), g [R, L]
+  log gates or None,
   ``seen`` [R, L] whether a row has a key in reach."""
-  return _forward(*log_rows(q, k, mask, *consts), v, g, cfg)
+  return _forward(*log_rows(q, k, mask, *consts), value_rows(v), g, cfg)
 
 
-def _fused_fwd(log_rows, cfg, q, k, v, g, seen, mask, *consts):
+def _fused_fwd(log_rows, value_rows, cfg, q, k, v, g, seen, mask, *consts):
   q, k, v, g, consts = jax.tree.map(fused_rows.first_order_only, (q, k, v, g, consts))
-  y, m = _forward(*log_rows(q, k, mask, *consts), v, g, cfg)
+  y, m = _forward(*log_rows(q, k, mask, *consts), value_rows(v), g, cfg)
   return (y, m), (q, k, v, g, seen, mask, consts, m)  # the inputs (features recomputed), the row scales
 
 
-def _fused_bwd(log_rows, cfg, res, cts):
+def _fused_bwd(log_rows, value_rows, cfg, res, cts):
   res, cts = jax.tree.map(fused_rows.first_order_only, (res, cts))
-  q, k, v, g, seen, mask, consts, m = res
+  q, k, v_in, g, seen, mask, consts, m = res
+  v, values_vjp = jax.vjp(value_rows, v_in)
   (lq, lk), features_vjp = jax.vjp(lambda q, k, *consts: log_rows(q, k, mask, *consts), q, k, *consts)
   dy = cts[0]  # the scale is a constant (as in the XLA pass)
   r, length, f = lq.shape
@@ -256,7 +258,7 @@ def _fused_bwd(log_rows, cfg, res, cts):
   dq, dk, *dconsts = features_vjp((dlq, dlk))  # masked keys and padded features: exactly zero already
   dconsts = [None if d.dtype == jax.dtypes.float0 else d for d in dconsts]  # a mask is a constant
   dg = None if g is None else fused_rows.gate_grad(jnp.sum(dlq, -1) - jnp.sum(dlk, -1), g)
-  return (dq, dk, dv.astype(v.dtype), dg, None, None, *dconsts)
+  return (dq, dk, values_vjp(dv.astype(v.dtype))[0], dg, None, None, *dconsts)
 
 
 _fused.defvjp(_fused_fwd, _fused_bwd)
@@ -273,8 +275,8 @@ def causal(features, q, k, v, mask, *, chunk_size: int = 128, gate=None, precisi
   dot, forward and backward (:func:`mosaic_precision`). ``interpret``: False, Mosaic (a TPU, or lowering
   for one); True, Pallas's generic interpreter (any machine; no side effects, so it may sit in a
   ``platform_dependent`` branch); a ``pltpu.InterpretParams``, Pallas's TPU interpret mode (any machine; it
-  also checks reads out of bounds and of uninitialised memory). ``fallback``: the pass that redoes the call where rows lost
-  their terms, called as ``fallback(features, q, k, v, mask, chunk_size=C, return_scale=True[, gate=gate])``;
+  also checks reads out of bounds and of uninitialised memory). ``fallback``: the pass that redoes the call
+  where rows lost their terms, called as ``fallback(features, q, k, v, mask, chunk_size=C, return_scale=True[, gate=gate])``;
   None (tests only): the fused result even there.
 
   Raises:
@@ -287,7 +289,8 @@ def causal(features, q, k, v, mask, *, chunk_size: int = 128, gate=None, precisi
   operands = "bfloat16" if jnp.result_type(q, k, v) == jnp.bfloat16 and precision is None else "float32"
   cfg = Config(c, interpret, mosaic_precision(precision), operands, gate is not None)
   prepared = fused_rows.prepare(features, q, k, v, mask, gate, chunk=c, lane=LANE)
-  y, m = _fused(prepared.log_rows, cfg, q, k, prepared.v, prepared.gate, prepared.seen, mask, *prepared.consts)
+  y, m = _fused(prepared.log_rows, prepared.value_rows, cfg, q, k, v, prepared.gate, prepared.seen, mask,
+                *prepared.consts)
   num, den = prepared.back(y[..., :v.shape[-1]]), prepared.back(y[..., v.shape[-1]])
   scale = prepared.back(jnp.where(prepared.seen, jax.lax.stop_gradient(m[..., 0]), NEG_INF))
   return fused_rows.redo_lost(features, q, k, v, mask, gate, (num, den, scale), c, return_scale, fallback)
