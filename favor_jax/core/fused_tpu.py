@@ -276,8 +276,9 @@ def causal(features, q, k, v, mask, *, chunk_size: int = 128, gate=None, precisi
   for one); True, Pallas's generic interpreter (any machine; no side effects, so it may sit in a
   ``platform_dependent`` branch); a ``pltpu.InterpretParams``, Pallas's TPU interpret mode (any machine; it
   also checks reads out of bounds and of uninitialised memory). ``fallback``: the pass that redoes the call
-  where rows lost their terms, called as ``fallback(features, q, k, v, mask, chunk_size=C, return_scale=True[, gate=gate])``;
-  None (tests only): the fused result even there.
+  where rows lost their terms, called as
+  ``fallback(features, q, k, v, mask, chunk_size=C, return_scale=True[, gate=gate])``; None (tests only): the
+  fused result even there.
 
   Raises:
     ValueError: features that are not pure exponentials, or a ``chunk_size`` that is not a positive int.
