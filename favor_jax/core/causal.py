@@ -83,6 +83,13 @@ def _unavailable(message, like, features, q, k, v, gate):
   return fail(*inputs)
 
 
+def _shapes(q, v):
+  """The shapes of (num [N, L, H, Dv], den [N, L, H], scale [N, L, H]), float32, as every pass returns them."""
+  f32 = jnp.result_type(v.dtype, jnp.float32)
+  return (jax.ShapeDtypeStruct(q.shape[:3] + v.shape[-1:], f32), jax.ShapeDtypeStruct(q.shape[:3], f32),
+          jax.ShapeDtypeStruct(q.shape[:3], f32))
+
+
 def _xla(precision):
   """The XLA chunked pass at ``precision`` (the fused kernels' redo of rows that lost their terms)."""
   return chunked if precision is None else functools.partial(chunked, precision=precision)
@@ -98,9 +105,8 @@ def _triton(features, q, k, v, mask, gate, chunk_size, precision, interpret):
   given = {name: x for name, x in (("gate", gate), ("precision", precision)) if x is not None}
   lacking = sorted(set(given) - _TRITON_TAKES)
   if lacking:
-    like = jax.eval_shape(lambda: _mosaic(features, q, k, v, mask, gate, chunk_size, precision, True))
     return _unavailable(f"causal_method='pallas': the Triton kernels take no {' or '.join(lacking)}; use "
-                        "causal_method='chunked'", like, features, q, k, v, gate)
+                        "causal_method='chunked'", _shapes(q, v), features, q, k, v, gate)
   blocks = fused.blocks_for(chunk_size, interpret=interpret)
   return fused.causal(features, q, k, v, mask, blocks=blocks, return_scale=True, fallback=_xla(precision), **given)
 
@@ -124,7 +130,7 @@ def _fused(features, q, k, v, mask, gate, chunk_size, precision, *, return_scale
   else:
     cpu = branch(_mosaic if interpreted_target() == "mosaic" else _triton, True)
   args = (q, k, v, mask, gate)
-  like = jax.eval_shape(cpu, *args)
+  like = jax.eval_shape(finish, _shapes(q, v))
   default = lambda q, k, v, mask, gate: _unavailable(
       "causal_method='pallas' has no fused kernel for this platform (TPU: Mosaic; CUDA, ROCm: Triton; CPU: "
       "interpreted); use causal_method='chunked'", like, features, q, k, v, gate)
