@@ -151,7 +151,7 @@ def linear_attention(
   inputs.validate(query_features, key_features, value, key_mask, causal, "query_features", "key_features")
   checks.check_causal_method(causal_method, causal_lib.CAUSAL_METHODS, causal)
   chunk_size = checks.check_chunk_size(chunk_size)
-  gates = gates_lib.prepare(log_gate, segment_ids, query_features, causal, method=causal_method)
+  gates = gates_lib.prepare(log_gate, segment_ids, query_features, causal)
   return _linear(features_lib.as_given(), query_features, key_features, value, key_mask, causal, causal_method,
                  chunk_size, in_range=False, gates=gates, precision=precision)
 
@@ -195,9 +195,10 @@ def favor_attention(
     key_mask: optional bool [..., Lk] (broadcastable); False leaves a key out.
     rho: a data-dependent kernel's statistic, FAVOR++'s ρ [..., H] or FAVOR#'s [..., H, D+1] (log Ψ, then ρ);
       required if ``causal``, else computed here over the unmasked keys and the queries of ``query_mask``.
-    causal_method: the causal pass: ``"auto"`` (``"pallas"`` on a GPU where the kernel's features allow it,
-      else ``"chunked"``), ``"chunked"`` (exact causal chunks with carried state, XLA), ``"pallas"`` (the same
-      chunks as fused Pallas kernels; ``chunk_size`` a power of two ≥ 16; first derivatives only),
+    causal_method: the causal pass: ``"auto"`` (the fused kernel where lowered for a TPU or GPU and the
+      kernel's features allow it, else ``"chunked"``), ``"chunked"`` (exact causal chunks with carried state,
+      XLA), ``"pallas"`` (the same chunks as fused Pallas kernels, chosen where lowered: Mosaic on a TPU, Triton
+      on a GPU, interpreted on a CPU; ``chunk_size`` a power of two ≥ 16; first derivatives only),
       ``"scan"`` (per-token recurrence) or ``"cumsum"`` (prefix states). ``"chunked"`` and ``"pallas"`` are
       reverse-mode only (JAX raises TypeError under ``jax.jvp``). Unused (``"pallas"`` refused) when not causal.
     chunk_size: C, the chunk length of the causal pass (checked, unused when not causal).
@@ -236,7 +237,7 @@ def favor_attention(
   inputs.validate(query, key, value, key_mask, causal, query_mask=query_mask)
   checks.check_causal_method(causal_method, causal_lib.CAUSAL_METHODS, causal)
   chunk_size = checks.check_chunk_size(chunk_size)
-  gates = gates_lib.prepare(log_gate, segment_ids, query, causal, method=causal_method)
+  gates = gates_lib.prepare(log_gate, segment_ids, query, causal)
   features = _feature_fn(kernel, projection, rho, query, key, key_mask, causal, blocked=gates is not None,
                          query_mask=query_mask)
   return _linear(features, query, key, value, key_mask, causal, causal_method, chunk_size, gates=gates,

@@ -1,5 +1,13 @@
 """Causal attention's methods, chosen in one place: the XLA passes (:mod:`favor_jax.core.causal_xla`) and the
-fused Pallas kernels (:mod:`favor_jax.core.fused`), by ``causal_method``.
+fused Pallas kernels, Mosaic for TPU (:mod:`favor_jax.core.fused_tpu`) and Triton for GPU
+(:mod:`favor_jax.core.fused`), by ``causal_method``.
+
+The fused kernel is chosen where the program is lowered (``jax.lax.platform_dependent``), not by the machine
+that traces it: exporting for a TPU from any machine takes the Mosaic kernel, for CUDA or ROCm the Triton
+one. On a CPU ``"pallas"`` runs Pallas's interpreter of the target named by the environment variable
+``FAVOR_JAX_PALLAS_INTERPRET`` (``"mosaic"``, the default, or ``"triton"``), so both kernels' arithmetic runs
+anywhere; on an accelerator a kernel is always compiled, never interpreted. What cannot run on the target
+(another platform, an argument the kernel there lacks) fails when lowered for it, with a message naming it.
 
 Every method takes :class:`~favor_jax.core.features.Features` and the flattened q, k [N, L, H, D],
 v [N, L, H, Dv], mask [N, L]; :func:`attend` returns the output, the others the numerator and
@@ -8,46 +16,158 @@ denominator (both times the same per-row factor) as :func:`~favor_jax.core.causa
 
 from __future__ import annotations
 
-import jax
+import functools
+import inspect
+import os
 
-from favor_jax.core import fused
-from favor_jax.core import gates as gates_lib
-from favor_jax.core import precision as precision_lib
+import jax
+import jax.numpy as jnp
+from jax.extend.core import Primitive
+from jax.interpreters import mlir
+
+from favor_jax.core import fused, fused_tpu
 from favor_jax.core import state as state_lib
 from favor_jax.core.causal_xla import chunked, cumsum, scan
-from favor_jax.core.features import exponential_features
+from favor_jax.core.features import exponential_features, head_major
+
+INTERPRET_ENV = "FAVOR_JAX_PALLAS_INTERPRET"
+INTERPRET_TARGETS = ("mosaic", "triton")
+_TRITON_TAKES = set(inspect.signature(fused.causal).parameters)
+
+
+def interpreted_target() -> str:
+  """The kernel ``"pallas"`` interprets on a CPU: ``FAVOR_JAX_PALLAS_INTERPRET`` (``"mosaic"`` if unset).
+
+  Raises:
+    ValueError: the variable names another target.
+  """
+  target = os.environ.get(INTERPRET_ENV, "mosaic")
+  if target not in INTERPRET_TARGETS:
+    raise ValueError(f"{INTERPRET_ENV} must be one of {INTERPRET_TARGETS} (the Pallas kernel interpreted on a "
+                     f"CPU), got {target!r}")
+  return target
+
+
+# A branch for a platform that cannot run the call: traced like the others (platform_dependent traces every
+# branch), it fails only if lowered, with its message.
+_unavailable_p = Primitive("favor_unavailable")
+_unavailable_p.multiple_results = True
+_unavailable_p.def_abstract_eval(lambda *, avals, message: avals)
+
+
+def _unavailable_lowering(ctx, *, avals, message):
+  platform = ", ".join(ctx.module_context.platforms)
+  raise ValueError(f"{message} (lowering for {platform})")
+
+
+mlir.register_lowering(_unavailable_p, _unavailable_lowering)
+
+
+def _unavailable(message, like, features, q, k, v, gate):
+  """Arrays shaped as ``like`` that fail at lowering with ``message``; differentiated, so do the cotangents
+  of q, k, v, gate and the features' logs (a gradient never silently becomes zero)."""
+  def bind(tree):
+    leaves, structure = jax.tree.flatten(tree)
+    avals = tuple(jax.core.ShapedArray(x.shape, x.dtype) for x in leaves)
+    return jax.tree.unflatten(structure, _unavailable_p.bind(avals=avals, message=message))
+
+  logs = [f.log for f in head_major(features, q, k) if f.log is not None]
+  inputs = [x for x in (q, k, v, gate, *logs) if x is not None and jnp.issubdtype(x.dtype, jnp.inexact)]
+  shapes = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in inputs]
+
+  @jax.custom_vjp
+  def fail(*inputs):
+    return bind(like)
+
+  fail.defvjp(lambda *inputs: (bind(like), None), lambda _, ct: tuple(bind(shapes)))  # keeps nothing
+  return fail(*inputs)
+
+
+def _shapes(q, v):
+  """The shapes of (num [N, L, H, Dv], den [N, L, H], scale [N, L, H]), float32, as every pass returns them."""
+  f32 = jnp.result_type(v.dtype, jnp.float32)
+  return (jax.ShapeDtypeStruct(q.shape[:3] + v.shape[-1:], f32), jax.ShapeDtypeStruct(q.shape[:3], f32),
+          jax.ShapeDtypeStruct(q.shape[:3], f32))
+
+
+def _xla(precision):
+  """The XLA chunked pass at ``precision`` (the fused kernels' redo of rows that lost their terms)."""
+  return chunked if precision is None else functools.partial(chunked, precision=precision)
+
+
+def _mosaic(features, q, k, v, mask, gate, chunk_size, precision, interpret):
+  return fused_tpu.causal(features, q, k, v, mask, chunk_size=chunk_size, gate=gate, precision=precision,
+                          interpret=interpret, return_scale=True, fallback=_xla(precision))
+
+
+def _triton(features, q, k, v, mask, gate, chunk_size, precision, interpret):
+  """The Triton kernels, given ``gate`` and ``precision`` where :func:`favor_jax.core.fused.causal` takes them."""
+  given = {name: x for name, x in (("gate", gate), ("precision", precision)) if x is not None}
+  lacking = sorted(set(given) - _TRITON_TAKES)
+  if lacking:
+    return _unavailable(f"causal_method='pallas': the Triton kernels take no {' or '.join(lacking)}; use "
+                        "causal_method='chunked'", _shapes(q, v), features, q, k, v, gate)
+  blocks = fused.blocks_for(chunk_size, interpret=interpret)
+  return fused.causal(features, q, k, v, mask, blocks=blocks, return_scale=True, fallback=_xla(precision), **given)
+
+
+def _fused(features, q, k, v, mask, gate, chunk_size, precision, *, return_scale, divide, xla_elsewhere: bool):
+  """The output (``divide``) or (num, den[, scale]) by the fused kernel of the platform the program is lowered
+  for; on a CPU the XLA pass (``xla_elsewhere``) or the interpreter of :func:`interpreted_target`."""
+  if divide and return_scale:
+    raise ValueError("causal_method 'pallas'/'auto' with divide=True returns the output only: return_scale must "
+                     "be False")
+  fused.blocks_for(chunk_size)  # the chunk every target takes (a power of two >= 16), checked on any machine
+  finish = lambda out: state_lib.divide(*out[:2]) if divide else (tuple(out) if return_scale else tuple(out[:2]))
+
+  def branch(run, interpret):
+    return lambda *x: finish(run(features, *x, chunk_size, precision, interpret=interpret))
+
+  if xla_elsewhere:
+    cpu = lambda q, k, v, mask, gate: _xla(precision)(features, q, k, v, mask, chunk_size=chunk_size,
+                                                      return_scale=return_scale, divide=divide,
+                                                      **({} if gate is None else {"gate": gate}))
+  else:
+    cpu = branch(_mosaic if interpreted_target() == "mosaic" else _triton, True)
+  args = (q, k, v, mask, gate)
+  like = jax.eval_shape(finish, _shapes(q, v))
+  default = lambda q, k, v, mask, gate: _unavailable(
+      "causal_method='pallas' has no fused kernel for this platform (TPU: Mosaic; CUDA, ROCm: Triton; CPU: "
+      "interpreted); use causal_method='chunked'", like, features, q, k, v, gate)
+  return jax.lax.platform_dependent(*args, tpu=branch(_mosaic, False), cuda=branch(_triton, False),
+                                    rocm=branch(_triton, False), cpu=cpu, default=default)
 
 
 def auto(features, q, k, v, mask, *, chunk_size: int = 64, return_scale: bool = False, divide: bool = False,
          gate=None, precision=None):
-  """The fused Pallas kernels on a GPU where they apply (exponential features, a power-of-two chunk, no
-  gates), the XLA chunked pass elsewhere; the same estimator either way. ``gate`` [N, L, H]: log forget gates
-  (see :func:`~favor_jax.core.causal_xla.chunked`)."""
-  if gate is not None:
-    return chunked(features, q, k, v, mask, chunk_size=chunk_size, return_scale=return_scale, divide=divide,
-                   gate=gate, precision=precision)
-  use_fused = (jax.default_backend() == "gpu" and fused.pallas_block(chunk_size)
-               and exponential_features(features, q, k))
-  run = pallas if use_fused else chunked
-  return run(features, q, k, v, mask, chunk_size=chunk_size, return_scale=return_scale, divide=divide,
-             precision=precision)
+  """The fused kernel where the call fits it (exponential features, a power-of-two chunk >= 16) and the
+  program is lowered for a TPU or a GPU, the XLA chunked pass elsewhere; the same estimator either way.
+  Traced on a machine whose default backend is a CPU, the XLA pass only (the kernels' branches, traced
+  for nothing there, cost a second per trace): to export the fused kernel from a CPU, use ``"pallas"``.
+  ``gate`` [N, L, H]: log forget gates (see :func:`~favor_jax.core.causal_xla.chunked`)."""
+  given = {} if gate is None else {"gate": gate}
+  if jax.default_backend() == "cpu" or not (fused.pallas_block(chunk_size) and exponential_features(features, q, k)):
+    return _xla(precision)(features, q, k, v, mask, chunk_size=chunk_size, return_scale=return_scale,
+                           divide=divide, **given)
+  return _fused(features, q, k, v, mask, gate, chunk_size, precision, return_scale=return_scale, divide=divide,
+                xla_elsewhere=True)
 
 
-@precision_lib.honoured
 def pallas(features, q, k, v, mask, *, chunk_size: int = 64, return_scale: bool = False, divide: bool = False,
            gate=None, precision=None):
-  """The chunked pass as fused Pallas kernels (:func:`favor_jax.core.fused.causal`), redone by the XLA
-  chunked pass where rows lost their terms. ``divide``: the output num/den only, as :func:`chunked` gives it.
+  """The chunked pass as fused Pallas kernels, Mosaic on a TPU and Triton on a GPU (chosen where lowered),
+  interpreted on a CPU (:func:`interpreted_target`); rows that lost their terms redone by the XLA chunked
+  pass. ``divide``: the output num/den only, as :func:`chunked` gives it.
 
   Raises:
-    ValueError: ``gate`` is given (the fused kernels take no gates).
+    ValueError: features that are not pure exponentials, a chunk that is not a power of two >= 16, or
+      ``divide`` with ``return_scale``.
   """
-  if gate is not None:
-    raise ValueError(gates_lib.NOT_FUSED)
-  if divide and return_scale:
-    raise ValueError("pallas(divide=True) returns the output only: return_scale must be False")
-  out = fused.causal(features, q, k, v, mask, chunk_size=chunk_size, return_scale=return_scale, fallback=chunked)
-  return state_lib.divide(*out) if divide else out
+  if not exponential_features(features, q, k):
+    raise ValueError("causal_method='pallas' needs features that are exponentials with a log per feature "
+                     "(no multiplier); this kernel's are not: use causal_method='chunked'")
+  return _fused(features, q, k, v, mask, gate, chunk_size, precision, return_scale=return_scale, divide=divide,
+                xla_elsewhere=False)
 
 
 CAUSAL_METHODS = {"auto": auto, "chunked": chunked, "pallas": pallas, "scan": scan, "cumsum": cumsum}

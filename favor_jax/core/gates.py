@@ -141,19 +141,13 @@ def check(log_gate, segment_ids, query, causal: bool) -> None:
     _check_shape("segment_ids", segment_ids, batch + (length,), ("L",))
 
 
-NOT_FUSED = ("causal_method='pallas' has no fused kernel for log_gate or segment_ids (forget gates, packed "
-             "documents): use causal_method='chunked' (or 'auto', which picks it when they are given)")
-
-
-def prepare(log_gate, segment_ids, query, causal: bool, *, previous=None, method: str = "auto") -> Gates | None:
+def prepare(log_gate, segment_ids, query, causal: bool, *, previous=None) -> Gates | None:
   """The checked gates of a call, flattened to [N, ...] (None when neither is given).
 
   ``previous`` [N] int: the segment id before position 0 (a decode state's); position 0 starts a segment
-  where it differs. ``method``: the call's ``causal_method`` ("pallas" refuses gates by name).
+  where it differs.
   """
   check(log_gate, segment_ids, query, causal)
-  if causal and method == "pallas" and (log_gate is not None or segment_ids is not None):
-    raise ValueError(NOT_FUSED)
   if log_gate is None and segment_ids is None:
     return None
   batch, length, heads = query.shape[:-3], query.shape[-3], query.shape[-2]

@@ -286,13 +286,13 @@ def test_auto_takes_the_fused_kernels_only_for_exponential_features_on_a_gpu(nam
   assert name in EXPONENTIAL, f"state in EXPONENTIAL whether kernel {name!r}'s features are pure exponentials"
   assert causal_lib.exponential_features(feature_fn, q, k) == EXPONENTIAL[name] == (name in FUSED)
   taken = []
-  for method in ("chunked", "pallas"):
+  for method in ("chunked", "_fused"):  # _fused: the kernel of the platform lowered for (platform_dependent)
     monkeypatch.setitem(causal_lib.__dict__, method, lambda *a, m=method, **kw: taken.append(m))
   causal_lib.auto(feature_fn, q, k, v, mask, chunk_size=16)
   monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
   causal_lib.auto(feature_fn, q, k, v, mask, chunk_size=16)
   causal_lib.auto(feature_fn, q, k, v, mask, chunk_size=24)  # not a power of two: the XLA pass
-  assert taken == ["chunked", "pallas" if name in FUSED else "chunked", "chunked"]
+  assert taken == ["chunked", "_fused" if name in FUSED else "chunked", "chunked"]
 
 
 # Gated and packed calls (issue 46): a forget gate from no decay to exact zeros (log 0 = −∞, a reset), and

@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 
 from favor_jax import core
-from favor_jax.core import causal as causal_lib
 from favor_jax.core import causal_xla, kernels
 from favor_jax.core import features as features_lib
 
@@ -220,16 +219,10 @@ def test_long_runs_of_small_gates_do_not_underflow():
   np.testing.assert_allclose(out, v, rtol=1e-4, atol=1e-4)
 
 
-def test_pallas_refuses_gates_by_name_and_auto_picks_chunked():
+def test_auto_picks_the_chunked_pass_for_gates_on_a_cpu():
+  """"pallas" with gates is tested in tests/core/test_fused_tpu.py; "auto" traced on a CPU is the XLA pass."""
   q, k, v = _qkv()
   g = _log_gate()
-  with pytest.raises(ValueError, match="causal_method='pallas'.*log_gate"):
-    core.favor_attention(q, k, v, _proj(), causal=True, causal_method="pallas", log_gate=g)
-  with pytest.raises(ValueError, match="causal_method='pallas'.*segment_ids"):
-    core.favor_attention(q, k, v, _proj(), causal=True, causal_method="pallas",
-                         segment_ids=jnp.zeros((B, L), jnp.int32))
-  with pytest.raises(ValueError, match="log_gate or segment_ids"):
-    causal_lib.pallas(lambda q, k: None, q, k, v, jnp.ones((B, L), bool), gate=g)
   fn = lambda method: jax.jit(functools.partial(core.favor_attention, causal=True, causal_method=method,
                                                  chunk_size=16))(q, k, v, _proj(), log_gate=g)
   auto, chunked = fn("auto"), fn("chunked")

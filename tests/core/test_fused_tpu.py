@@ -1,0 +1,191 @@
+"""The Mosaic (TPU) fused causal kernels (:mod:`favor_jax.core.fused_tpu`), run here in Pallas's TPU interpret
+mode (reads of uninitialised memory give NaN, reads out of bounds raise) and, through
+``causal_method="pallas"``, its generic interpreter: outputs and gradients against the explicit float64
+forms (every kernel with exponential features, masks, L not a multiple of the chunk, ×1/×7/×20, float32 and
+bfloat16, gates with exact zeros and strong decays, segment boundaries inside a chunk and on its edge), the
+redo of rows that lost their terms, and the precision every kernel dot takes."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental.pallas import tpu as pltpu
+
+from favor_jax import core
+from favor_jax.core import attention, fused_tpu
+from favor_jax.core import causal as causal_lib
+from favor_jax.core.state import divide
+from tests.core import test_gates
+from tests.core.test_fused import FUSED, _inputs, _params
+from tests.core.test_numerics import explicit
+
+B, L, H, DV = 2, 37, 2, 12  # as test_fused: three chunks of 16, padded; Dv ≠ D
+TPU_MODE = pltpu.InterpretParams()
+
+
+def _features(name, proj, rho, q, k, mask):
+  return attention._feature_fn(name, proj, rho, q, k, mask, True)
+
+
+@functools.cache
+def _mosaic(name, fallback=False, grads=True):
+  """(q, k, v, proj, rho, mask, cot) -> ((num, den, scale), grads of Σ cot·num/den in q, k, v (and proj if
+  given)), through the Mosaic kernels in TPU interpret mode, chunks of 16, one jitted program."""
+
+  def run(q, k, v, proj, rho, mask):
+    return fused_tpu.causal(_features(name, proj, rho, q, k, mask), q, k, v, mask, chunk_size=16,
+                            interpret=TPU_MODE, return_scale=True, fallback=causal_lib.chunked if fallback else None)
+
+  def both(q, k, v, proj, rho, mask, cot):
+    loss = lambda q, k, v, proj: jnp.sum(cot * divide(*run(q, k, v, proj, rho, mask)[:2]))
+    argnums = (0, 1, 2) + ((3,) if proj is not None else ())
+    return run(q, k, v, proj, rho, mask), jax.grad(loss, argnums=argnums)(q, k, v, proj) if grads else None
+
+  return jax.jit(both)
+
+
+def _reference_grads(name, q, k, v, proj, rho, mask, cot):
+  """Gradients of Σ cot·out of the explicit form in float32 JAX (each row's largest term held constant)."""
+  loss = lambda q, k, v, proj: jnp.sum(cot * explicit(name, q, k, v, proj, rho, mask, causal=True, xp=jnp)[0])
+  return jax.grad(loss, argnums=(0, 1, 2) + ((3,) if proj is not None else ()))(q, k, v, proj)
+
+
+@pytest.mark.parametrize("name", FUSED)
+def test_every_exponential_kernel_equals_the_explicit_form_in_tpu_interpret_mode(name):
+  """Outputs for every kernel the fused path takes; gradients (the kernels' backward is the same for all of
+  them, the features' own VJP is XLA's) for FAVOR+ and the data-dependent FAVOR#."""
+  q, k, v, mask = _inputs()
+  proj, rho = _params(name, q, k, mask)
+  cot = jnp.cos(jnp.arange(B * L * H * DV).reshape(B, L, H, DV))
+  grads = name in ("positive", "saderf")
+  (num, den, scale), got = _mosaic(name, grads=grads)(q, k, v, proj, rho, mask, cot)
+  assert not np.any(np.asarray(den < np.exp(-40.0)) & np.isfinite(scale)), "the fused pass itself is checked at ×1"
+  want, _ = explicit(name, q, k, v, proj, rho, mask, causal=True)
+  np.testing.assert_allclose(divide(num, den), want, atol=1e-5 * np.max(np.abs(want)))
+  assert np.all(np.asarray(den)[1, :3] == 0) and np.all(np.isneginf(np.asarray(scale)[1, :3]))  # see no key
+  if not grads:
+    return
+  ref = _reference_grads(name, q, k, v, proj, rho, mask, cot)
+  for g, r, what in zip(got, ref, ("query", "key", "value", "projection")):
+    np.testing.assert_allclose(g, r, atol=3e-5 * max(np.max(np.abs(r)), 1e-6), err_msg=what)
+
+
+def test_lost_rows_are_detected_and_redone_by_the_xla_pass():
+  """At ×20 a later key in a chunk outgrows the rows before it by hundreds of e-folds: without the redo such
+  rows come out empty (detected), with it every row equals the explicit form (its gradients are the XLA
+  pass's, tested with it)."""
+  q, k, v, mask = _inputs(20.0)
+  proj, rho = _params("positive", q, k, mask)
+  cot = jnp.sin(jnp.arange(B * L * H * DV).reshape(B, L, H, DV))
+  (num, den, scale), _ = _mosaic("positive", grads=False)(q, k, v, proj, rho, mask, cot)
+  lost = np.asarray(den < np.exp(-40.0)) & np.isfinite(scale)
+  assert np.any(lost), "×20 must exercise the detection"
+  (num, den, scale), _ = _mosaic("positive", fallback=True, grads=False)(q, k, v, proj, rho, mask, cot)
+  want, _ = explicit("positive", q, k, v, proj, rho, mask, causal=True)
+  out = np.asarray(divide(num, den))
+  np.testing.assert_allclose(out, want, atol=1e-5 * 400 * np.max(np.abs(want)))
+  assert not np.any(np.all(out == 0, -1) & ~np.all(want == 0, -1))  # no silent zero row
+
+
+@functools.cache
+def _pallas(gated):
+  def run(q, k, v, proj, mask, g, seg):
+    return core.favor_attention(q, k, v, proj, causal=True, causal_method="pallas", chunk_size=16, key_mask=mask,
+                                log_gate=g if gated else None, segment_ids=seg)
+  return jax.jit(run)
+
+
+def _segments(length):
+  """Ids [B, length] with boundaries on a chunk's edge (16) and inside one (23), and at 5 in row 1."""
+  ids = np.zeros((2, length), np.int32)
+  ids[:, 16:] += 1
+  ids[:, 23:] += 1
+  ids[1, 5:] += 1
+  return jnp.asarray(ids)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_gates_and_segments_equal_the_explicit_gated_form(dtype):
+  """``"pallas"`` with forget gates (exact zeros, 1e-30, 1e-3, ...) and packed segments, ×1/×7/×20: the float64
+  form of the same (rounded) inputs; at ×20 rows are handed to the XLA pass where they lost their terms."""
+  tol = 1e-5 if dtype == jnp.float32 else 2e-2
+  q0, k0, v = test_gates._qkv()
+  g = test_gates._log_gate()
+  mask = test_gates._mask()
+  proj = test_gates._proj()
+  seg = _segments(q0.shape[1])
+  for scale in test_gates.SCALES:
+    q, k, v = (x.astype(dtype) for x in (scale * q0, scale * k0, v))
+    got = np.asarray(_pallas(True)(q, k, v, proj, mask, g, seg), np.float64)
+    assert got.dtype == np.float64 and np.all(np.isfinite(got))
+    want, _ = test_gates.explicit("positive", q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32),
+                                  proj, None, mask, test_gates.decay(g, np.asarray(seg)))
+    np.testing.assert_allclose(got, want, atol=tol * scale ** 2 * np.max(np.abs(want)), err_msg=f"×{scale}")
+    assert not np.any(np.all(got == 0, -1) & ~np.all(want == 0, -1)), f"a silent zero row at ×{scale}"
+
+
+def test_gradients_of_gates_segments_and_inputs_equal_the_explicit_form():
+  """Gradients in q, k, v and the log gate (finite gates, one reset, segment boundaries in and on a chunk's
+  edge) against those of the explicit gated form in float32."""
+  q, k, v = test_gates._qkv()
+  g = (test_gates._log_gate(values=(1.0, 0.97, 0.5, 1e-3, 1e-30)) + 0.0).at[0, 17, 1].set(-jnp.inf)
+  mask, proj, seg = test_gates._mask(), test_gates._proj(), _segments(q.shape[1])
+  cot = jax.random.normal(jax.random.PRNGKey(11), v.shape)
+  bias = lambda g: test_gates.decay(g, np.asarray(seg), xp=jnp)
+  reference = lambda q, k, v, g: jnp.sum(test_gates.explicit("positive", q, k, v, proj, None, mask, bias(g),
+                                                             xp=jnp)[0] * cot)
+  want = jax.grad(reference, argnums=(0, 1, 2, 3))(q, k, v, g)
+  loss = lambda q, k, v, g: jnp.sum(_pallas(True)(q, k, v, proj, mask, g, seg) * cot)
+  got = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(q, k, v, g)
+  for what, a, b in zip("qkvg", got, want):
+    a, b = np.asarray(a), np.asarray(b)
+    assert np.all(np.isfinite(a)), what
+    np.testing.assert_allclose(a, b, atol=2e-4 * max(np.max(np.abs(b)), 1e-3), rtol=0, err_msg=f"d/d{what}")
+
+
+def _kernel_dots(jaxpr, inside=False):
+  """The precision of every dot_general inside the pallas_calls of ``jaxpr`` (walked recursively)."""
+  found = []
+  for eqn in jaxpr.eqns:
+    if inside and eqn.primitive.name == "dot_general":
+      found.append(eqn.params["precision"])
+    for value in eqn.params.values():
+      for sub in value if isinstance(value, (tuple, list)) else (value,):
+        sub = getattr(sub, "jaxpr", sub)
+        if hasattr(sub, "eqns"):
+          found += _kernel_dots(sub, inside or eqn.primitive.name == "pallas_call")
+  return found
+
+
+def test_every_kernel_dot_takes_the_precision_asked_for():
+  """The dots inside the three kernels (forward, ∂ℓq, ∂ℓk/∂v) carry ``precision``: HIGHEST for "highest"
+  and "high" (Mosaic has no three-pass mode), DEFAULT for "bfloat16"; the gates' exact sums HIGHEST always."""
+  q, k, v, mask = _inputs(length=16)
+  proj, _ = _params("positive", q, k, mask)
+  g = jnp.full(q.shape[:3], -0.1)
+  highest, default = jax.lax.Precision.HIGHEST, jax.lax.Precision.DEFAULT
+  for asked, want in (("highest", highest), ("high", highest), ("bfloat16", default)):
+    loss = lambda q: jnp.sum(fused_tpu.causal(_features("positive", proj, None, q, k, mask), q, k, v, mask,
+                                              chunk_size=16, gate=g, precision=asked, interpret=True)[0])
+    found = _kernel_dots(jax.make_jaxpr(jax.grad(loss))(q).jaxpr)
+    assert len(found) >= 3 * 4, found  # three kernels, several products each
+    assert all(p is not None and p[0] == p[1] and p[0] in (want, highest) for p in found), (asked, found)
+    assert sum(p[0] == want for p in found) >= 3 * 3, (asked, found)
+
+
+def test_the_interpreted_target_is_named_and_checked(monkeypatch):
+  """``FAVOR_JAX_PALLAS_INTERPRET`` picks the kernel "pallas" interprets on a CPU (both give the explicit form);
+  another value is refused by name."""
+  q, k, v, mask = _inputs(length=20)
+  proj, _ = _params("positive", q, k, mask)
+  want, _ = explicit("positive", q, k, v, proj, None, mask, causal=True)
+  run = lambda: core.favor_attention(q, k, v, proj, causal=True, key_mask=mask, causal_method="pallas",
+                                     chunk_size=16)
+  for target in causal_lib.INTERPRET_TARGETS:
+    monkeypatch.setenv(causal_lib.INTERPRET_ENV, target)
+    np.testing.assert_allclose(jax.jit(run)(), want, atol=1e-5 * np.max(np.abs(want)), err_msg=target)
+  monkeypatch.setenv(causal_lib.INTERPRET_ENV, "cuda")
+  with pytest.raises(ValueError, match="FAVOR_JAX_PALLAS_INTERPRET must be one of .* got 'cuda'"):
+    run()

@@ -1,0 +1,121 @@
+"""Lowering for accelerators from this CPU (``jax.export`` / ``lower(lowering_platforms=...)``): the fused causal
+pass picks its kernel where the program is lowered (the Mosaic kernel for "tpu", plain, gated and packed,
+forward and gradient; the Triton one for "cuda"), what cannot run on a platform names itself, and every public
+path lowers for "tpu" (the attention functions, the decode step, the Linen and NNX layers, a gated train
+step). Lowering only: nothing here runs on an accelerator."""
+
+import inspect
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+from flax import linen as nn
+from flax import nnx
+
+from favor_jax import core
+from favor_jax.core import fused
+from favor_jax.layers import linen as favor_linen
+from favor_jax.layers import nnx as favor_nnx
+
+B, L, H, D = 1, 40, 2, 8  # L not a multiple of the chunk
+MOSAIC = "tpu_custom_call"
+TRITON = "__gpu$xla.gpu.triton"
+
+
+def _qkv():
+  ks = jax.random.split(jax.random.PRNGKey(0), 3)
+  return tuple(jax.random.normal(kk, (B, L, H, D)) for kk in ks)
+
+
+PROJ = core.orthogonal_projection(jax.random.PRNGKey(5), 16, D)
+GATE = jnp.full((B, L, H), -0.05).at[:, 11].set(-jnp.inf)
+SEGMENTS = jnp.asarray([[0] * 23 + [1] * (L - 23)], jnp.int32)  # a boundary inside the second chunk
+
+
+def _tpu_text(fn, *args):
+  return jax.export.export(jax.jit(fn), platforms=["tpu"])(*args).mlir_module()
+
+
+def _pallas(**kw):
+  return lambda q, k, v: core.favor_attention(q, k, v, PROJ, causal=True, causal_method="pallas", chunk_size=16,
+                                              **kw).astype(jnp.float32)
+
+
+def _grad(fn):
+  return jax.grad(lambda q, k, v: jnp.sum(fn(q, k, v)), argnums=(0, 1, 2))
+
+
+@pytest.mark.parametrize("what", ["plain", "gated", "packed"])
+def test_pallas_exported_for_tpu_holds_the_mosaic_kernels_forward_and_gradient(what):
+  """The gradient's program holds the three Mosaic kernels (forward, ∂ℓq, ∂ℓk/∂v), none of Triton's; the plain
+  forward alone holds one."""
+  kw = {"plain": {}, "gated": {"log_gate": GATE}, "packed": {"segment_ids": SEGMENTS}}[what]
+  q, k, v = (x.astype(jnp.bfloat16) for x in _qkv()) if what == "gated" else _qkv()
+  if what == "plain":
+    forward = _tpu_text(_pallas(**kw), q, k, v)
+    assert forward.count(MOSAIC) == 1 and TRITON not in forward
+  backward = _tpu_text(_grad(_pallas(**kw)), q, k, v)
+  assert backward.count(MOSAIC) == 3 and TRITON not in backward
+
+
+def test_pallas_lowered_for_cuda_holds_the_triton_kernels_and_gates_say_what_they_need():
+  """For CUDA the Triton kernels (Triton's custom calls carry no compatibility guarantee, so this lowers
+  rather than serialises); gates there (CUDA, ROCm), while ``fused.causal`` takes none, fail when lowered,
+  naming why."""
+  q, k, v = _qkv()
+  text = jax.jit(_pallas()).trace(q, k, v).lower(lowering_platforms=("cuda",)).as_text()
+  assert text.count(TRITON) == 2 and MOSAIC not in text
+  gated = jax.jit(_pallas(log_gate=GATE)).trace(q, k, v)
+  for platform in ("cuda", "rocm"):
+    if "gate" in inspect.signature(fused.causal).parameters:
+      assert TRITON in gated.lower(lowering_platforms=(platform,)).as_text()
+    else:
+      with pytest.raises(ValueError, match=f"the Triton kernels take no gate.*lowering for {platform}"):
+        gated.lower(lowering_platforms=(platform,))
+
+
+def test_every_public_path_lowers_for_tpu():
+  """The public attention functions, the decode step, the Linen and NNX layers' apply and one gated optax train
+  step lower for TPU (XLA paths: no kernel needed)."""
+  q, k, v = _qkv()
+  mask = jnp.arange(L)[None] < 30
+  calls = {
+      "favor": lambda q, k, v: core.favor_attention(q, k, v, PROJ, causal=True, key_mask=mask, log_gate=GATE),
+      "linear": lambda q, k, v: core.linear_attention(jax.nn.elu(q) + 1, jax.nn.elu(k) + 1, v, causal=True),
+      "hybrid": lambda q, k, v: core.hybrid_attention(q, k, v, PROJ, window=4, causal=True, segment_ids=SEGMENTS),
+      "softmax": lambda q, k, v: core.softmax_attention(q, k, v, causal=True, log_gate=GATE),
+      "weights": lambda q, k, v: core.attention_weights(q, k, PROJ, kernel="positive", causal=True),
+      "decode": lambda q, k, v: core.favor_decode_step(core.favor_decode_init(q[:, :1], v[:, :1], PROJ), q[:, :1],
+                                                       k[:, :1], v[:, :1], PROJ)[0],
+  }
+  for name, fn in calls.items():
+    assert "func.func public @main" in _tpu_text(fn, q, k, v), name
+
+  x = jax.random.normal(jax.random.PRNGKey(1), (B, L, H * D))
+  linen = favor_linen.FavorAttention(num_heads=H, qkv_features=H * D, num_features=16, causal=True,
+                                     forget_gate=True, chunk_size=16)
+  params = linen.init(jax.random.PRNGKey(2), x)
+  assert "func.func public @main" in _tpu_text(lambda p, x: linen.apply(p, x), params, x)
+  layer = favor_nnx.FavorAttention(H, H * D, num_features=16, causal=True, rngs=nnx.Rngs(3))
+  graph, state = nnx.split(layer)
+  assert "func.func public @main" in _tpu_text(lambda s, x: nnx.merge(graph, s)(x), state, x)
+
+  class Model(nn.Module):  # a gated attention layer, packed, with a readout: enough for an optax step
+    @nn.compact
+    def __call__(self, x, ids):
+      attention = favor_linen.FavorAttention(num_heads=H, qkv_features=H * D, num_features=16, causal=True,
+                                             forget_gate=True, chunk_size=16)
+      return nn.Dense(1)(attention(x, segment_ids=ids))
+
+  model = Model()
+  variables = model.init(jax.random.PRNGKey(4), x, SEGMENTS)
+  mp, rest = variables["params"], {name: c for name, c in variables.items() if name != "params"}
+  opt = optax.adam(1e-3)
+
+  def step(p, o, x):
+    loss, g = jax.value_and_grad(lambda p: jnp.mean(model.apply({**rest, "params": p}, x, SEGMENTS) ** 2))(p)
+    updates, o = opt.update(g, o, p)
+    return optax.apply_updates(p, updates), o, loss
+
+  assert "func.func public @main" in _tpu_text(step, mp, opt.init(mp), x)
