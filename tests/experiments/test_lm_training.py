@@ -180,7 +180,7 @@ def test_bfloat16_trains_within_a_few_percent_of_float32(tmp_path):
   (tmp_path / "a.txt").write_bytes(_prose(0, 2000))
   losses = {}
   for dtype in ("float32", "bfloat16"):
-    config = _tiny(tmp_path, **{"model.dtype": dtype, "train.steps": 40, "train.eval_every": 40,
+    config = _tiny(tmp_path / "a.txt", **{"model.dtype": dtype, "train.steps": 40, "train.eval_every": 40,
                                 "train.log_every": 20, "train.checkpoint_every": 40, "train.lr": 3e-3})
     records, state = training.train(config, str(tmp_path / dtype), progress=lambda m: None)
     assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(state.params))  # parameters stay float32
@@ -259,7 +259,7 @@ def test_sigterm_saves_a_checkpoint_and_the_resumed_run_is_the_same(tmp_path):
   token_file = tmp_path / "tokens.bin"
   np.random.default_rng(0).integers(0, 64, 20000).astype("<u2").tofile(token_file)
   env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-  steps_ = 300
+  steps_ = 1000  # far more than run before the signal lands, even on a fast machine
   reference, resumed = tmp_path / "reference", tmp_path / "resumed"
   proc = subprocess.Popen(_run_command(resumed, token_file, steps_), cwd=REPO, env=env, stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True)
