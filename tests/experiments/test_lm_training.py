@@ -58,7 +58,7 @@ def test_a_folder_is_split_by_file_and_packed_by_file(tmp_path):
   assert task.vocab_size == 256 and "held.txt" in task.split
   for b in task.eval_batches:  # held-out windows come from the held-out file only
     assert all(_occurs(np.append(r, t[-1]), held) for r, t in zip(b.tokens, b.targets))
-  crossing = [p for p in range(20) if (task.train_batch(p).segment_ids != 1).any()]
+  crossing = [p for p in range(20) if task.train_batch(p).segment_ids.any()]
   assert crossing  # some windows reach into b.txt
   batch = task.train_batch(crossing[0])
   np.testing.assert_array_equal(batch.targets[:, :-1], batch.tokens[:, 1:])
