@@ -31,7 +31,7 @@ def windows(corpus: Corpus, offsets, length: int, pack: bool) -> Batch:
   chunk_BL = np.asarray(corpus.tokens[idx_BL]).astype(np.int32)
   if not pack:
     return Batch(chunk_BL[:, :-1], chunk_BL[:, 1:], np.ones((len(idx_BL), length), np.float32))
-  doc_BL = np.searchsorted(corpus.starts, idx_BL, side="right").astype(np.int32)  # 1 + the document's index
+  doc_BL = (np.searchsorted(corpus.starts, idx_BL, side="right") - 1).astype(np.int32)  # the document's index
   weights_BL = (doc_BL[:, 1:] == doc_BL[:, :-1]).astype(np.float32)
   return Batch(chunk_BL[:, :-1], chunk_BL[:, 1:], weights_BL, doc_BL[:, :-1])
 

@@ -274,12 +274,12 @@ def test_bad_mesh_axis_and_missing_rho_are_rejected():
 # --- data- and sequence-parallel training ------------------------------------------------------------
 
 
-def _train(tmp_path, name, *, data=1, sequence=1, fsdp=False, stop_after=0, attention="favor"):
+def _train(tmp_path, name, *, data=1, sequence=1, fsdp=False, stop_after=0, attention="favor", accum=1):
   from experiments.configs import common, tiny
   from experiments.train import training
   config = common.set_fields(tiny.get_config(), {
       "attention.type": attention, "mesh.data": data, "mesh.sequence": sequence, "mesh.fsdp": fsdp,
-      "train.stop_after": stop_after, "train.log_every": 1})
+      "train.stop_after": stop_after, "train.log_every": 1, "train.grad_accum_steps": accum})
   records, _ = training.train(config, str(tmp_path / name), progress=lambda m: None)
   return records
 
@@ -293,9 +293,11 @@ def one_device_losses(tmp_path_factory):
   return _losses(_train(tmp_path_factory.mktemp("one"), "one"))
 
 
-@pytest.mark.parametrize("data,sequence,fsdp", [(8, 1, False), (4, 2, True), (1, 8, False)])
-def test_training_on_8_devices_matches_1_device(tmp_path, one_device_losses, data, sequence, fsdp):
-  eight = _losses(_train(tmp_path, "eight", data=data, sequence=sequence, fsdp=fsdp))
+@pytest.mark.parametrize("data,sequence,fsdp,accum", [(8, 1, False, 1), (4, 2, True, 1), (1, 8, False, 1),
+                                                       (4, 1, True, 2)])
+def test_training_on_8_devices_matches_1_device(tmp_path, one_device_losses, data, sequence, fsdp, accum):
+  """Also with 2 microbatches per update (lm_base.py's data + FSDP mesh with accumulation): the same updates."""
+  eight = _losses(_train(tmp_path, "eight", data=data, sequence=sequence, fsdp=fsdp, accum=accum))
   np.testing.assert_array_equal(eight[:, 0], one_device_losses[:, 0])
   np.testing.assert_allclose(eight[:, 1], one_device_losses[:, 1], rtol=1e-5)
 
