@@ -46,16 +46,16 @@ flags.mark_flags_as_required(["config", "workdir"])
 # config.experiment -> module with run(config, progress, workdir), summarize(records, config),
 # plot(records, config, workdir)
 STUDIES = {
-    "approximation": "experiments.approximation",
-    "activations": "experiments.activations",
-    "tradeoff": "experiments.tradeoff",
-    "speed": "experiments.speed",
-    "blocks": "experiments.blocks",
-    "peers": "experiments.peers",
-    "train": "experiments.sweep",
-    "backward_compat": "experiments.backward_compat",
-    "sequence_parallel": "experiments.sequence_parallel",
-    "showcase": "experiments.showcase",
+    "approximation": "experiments.studies.approximation",
+    "activations": "experiments.studies.activations",
+    "tradeoff": "experiments.studies.tradeoff",
+    "speed": "experiments.studies.speed",
+    "blocks": "experiments.studies.blocks",
+    "peers": "experiments.studies.peers",
+    "train": "experiments.train.sweep",
+    "backward_compat": "experiments.studies.backward_compat",
+    "sequence_parallel": "experiments.studies.sequence_parallel",
+    "showcase": "experiments.studies.showcase",
 }
 
 
@@ -114,7 +114,7 @@ def prepare(config, overrides=None):
   common.check_overrides(config, overrides)
   study = importlib.import_module(STUDIES[config.experiment])
   if hasattr(study, "runs"):  # a training study: every run checked, and each command-line value read by one
-    from experiments import training
+    from experiments.train import training
     training.check_overrides_used(study.runs(config), overrides)
   if hasattr(study, "unread"):  # {field: why} the study's own fields this config leaves unread
     common.check_overrides_read(study.unread(config), overrides)
@@ -223,7 +223,7 @@ def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)  # orbax logs every checkpoint step at INFO
   overrides = command_line_overrides()
-  from experiments import training
+  from experiments.train import training
   try:
     run(_CONFIG.value, _WORKDIR.value, overrides)
   except training.Stopped as e:  # a stop asked for: no results (they would be of unfinished models), exit 0

@@ -197,3 +197,57 @@ def test_public_names_unchanged(name):
   assert sorted(names) == sorted(PUBLIC[name])
   for public in names:
     assert hasattr(module, public), f"{name}.__all__ names {public}, which it lacks"
+
+
+# experiments/: which of its packages each package may import (the layers point down: configs and tasks import
+# nothing above them, the training stack never imports a study). Top-level modules (main.py, the entry points)
+# may import any of them.
+EXPERIMENTS = ROOT.parent / "experiments"
+EXPERIMENT_LAYERS = {
+    "configs": {"configs"},
+    "tasks": {"tasks"},
+    "train": {"configs", "tasks", "train"},
+    "studies": {"configs", "tasks", "train", "studies"},
+}
+
+
+def _experiment_imports(text: str, filename: str = "<source>") -> set[str]:
+  """The ``experiments`` packages (``train``, ``tasks``, …; ``""`` for a top-level module) a source imports anywhere,
+  function-local imports included."""
+  found = set()
+  for node in ast.walk(ast.parse(text, filename)):
+    modules = []
+    if isinstance(node, ast.Import):
+      modules = [alias.name for alias in node.names]
+    elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+      modules = ([f"{node.module}.{alias.name}" for alias in node.names] if node.module == "experiments"
+                 else [node.module])
+    for module in modules:
+      parts = module.split(".")
+      if parts[0] == "experiments" and len(parts) > 1:
+        found.add(parts[1] if (EXPERIMENTS / parts[1]).is_dir() else "")
+  return found
+
+
+def _experiment_layer_breaks() -> list[str]:
+  """``path: package`` for every import of an ``experiments`` package its layer may not import."""
+  found = []
+  for layer, allowed in EXPERIMENT_LAYERS.items():
+    for path in sorted((EXPERIMENTS / layer).rglob("*.py")):
+      for package in sorted(_experiment_imports(path.read_text(), str(path)) - allowed):
+        found.append(f"{path.relative_to(ROOT.parent)}: experiments.{package or '<top-level module>'}")
+  return found
+
+
+def test_the_experiments_import_scan_sees_each_form():
+  text = ("from experiments import tasks, main\nfrom experiments.train import models\n"
+          "import experiments.studies.speed\ndef f():\n  from experiments.configs import common\n")
+  assert _experiment_imports(text) == {"tasks", "", "train", "studies", "configs"}
+
+
+def test_experiments_imports_point_down():
+  """A study may import the training stack; the training stack, the tasks and the configs never import upward."""
+  assert set(EXPERIMENT_LAYERS) <= {p.name for p in EXPERIMENTS.iterdir() if (p / "__init__.py").exists()}
+  assert _experiment_imports((EXPERIMENTS / "train" / "training.py").read_text()) >= {"train", "tasks"}
+  breaks = _experiment_layer_breaks()
+  assert not breaks, "imports against experiments/' layers:\n" + "\n".join(breaks)

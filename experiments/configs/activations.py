@@ -30,7 +30,7 @@ def get_config(arg=None):
   config.fit_sequences = 8  # of those, the sequences the maps are distilled on (the weights cost B·H·L²·F)
   config.fit_steps = 60  # Adam steps fitting Hedgehog's and Taylor's maps (distillation loss)
   config.fit_lr = 3e-2  # their learning rate
-  # Names in experiments.activations.ESTIMATORS.
+  # Names in experiments.studies.activations.ESTIMATORS.
   config.estimators = ("favor+", "hyperbolic", "favor++", "favor#", "favor+ + window 16", "taylor (fitted)",
                        "hedgehog (fitted)")
   if quick:

@@ -15,7 +15,7 @@ def get_config(arg=None):
   steps."""
   quick = common.is_quick(arg)
   config = shakespeare.get_config(arg)  # the same task, data and model as the Shakespeare experiment
-  config.experiment = "backward_compat"  # experiments.main runs experiments.backward_compat
+  config.experiment = "backward_compat"  # experiments.main runs experiments.studies.backward_compat
   config.config_name = "backward_compat"  # this file
   if not quick:
     config.train.steps = 3000  # softmax pretraining steps

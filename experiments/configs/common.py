@@ -50,7 +50,7 @@ def flat_fields(tree: dict, prefix: str = "") -> dict:
 
 def with_seeds(variants, seeds) -> tuple:
   """Each (name, fields) variant once per seed: the first seed as given, seed s as "NAME_seedS" with
-  ``train.seed`` = s (for means over seeds, ``experiments.sweep.mean_over_seeds``)."""
+  ``train.seed`` = s (for means over seeds, ``experiments.train.sweep.mean_over_seeds``)."""
   return tuple((name, fields) if i == 0 else (f"{name}_seed{seed}", {**fields, "train.seed": seed})
                for name, fields in variants for i, seed in enumerate(seeds))
 
@@ -145,7 +145,7 @@ def check_workdir(path, what: str = "--workdir") -> str:
 
 def training_config(name: str, task: str, quick: bool) -> ml_collections.ConfigDict:
   config = ml_collections.ConfigDict()
-  config.experiment = "train"  # experiments.main runs experiments.sweep: one training run per variant
+  config.experiment = "train"  # experiments.main runs experiments.train.sweep: one training run per variant
   config.config_name = name  # the config file's module (experiments.configs.NAME)
   config.task = task  # experiments.tasks: "mqar", "listops" or "shakespeare"
   config.quick = quick  # True: the quick version (FILE.py:quick); set on the full one, asks for it

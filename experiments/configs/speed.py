@@ -30,7 +30,7 @@ def get_config(arg=None):
   # bidirectional; favor_scan: the paper's per-token recurrence; favor_cumsum: materialised prefix states;
   # favor_sharp: FAVOR#; taylor: 2nd-order Taylor at D; taylor_d16: Taylor on q/k head dim 16 (values D);
   # hybrid_w64: exact window of 64 + FAVOR+; favor_pallas: the fused Pallas kernels, causal only (GPU; on
-  # a CPU they run in Pallas's interpreter, far too slowly for this sweep) (experiments/speed.py: ESTIMATORS);
+  # a CPU they run in Pallas's interpreter, far too slowly for this sweep) (experiments/studies/speed.py: ESTIMATORS);
   # any kernel of core.KERNELS by its name (e.g. elu_plus_one, hedgehog) runs with favor_attention's defaults.
   config.methods = ("softmax", "jax_dot_product_attention", "favor", "favor_scan", "favor_cumsum", "favor_sharp",
                     "taylor", "taylor_d16", "hybrid_w64")

@@ -20,7 +20,7 @@ from favor_jax.core import features as features_lib
 from favor_jax.core import gates as gates_lib
 from favor_jax.core import hybrid as hybrid_lib
 from favor_jax.core import state as state_lib
-from favor_jax.core.features import for_call as _feature_fn  # (tests and experiments/blocks.py read it here)
+from favor_jax.core.features import for_call as _feature_fn  # (tests and experiments/studies/blocks.py read it here)
 
 __all__ = [
     "softmax_attention", "linear_attention", "favor_attention", "hybrid_attention",

@@ -354,7 +354,7 @@ def test_favor_approaches_softmax_as_features_grow(causal):
 
 def test_seed_experiment_error_falls_as_one_over_m():
   # The seed article's setup: n=64, d=32, inputs ×0.3, V ~ N(0,1); its table sits at ~9e-4 for all m.
-  from experiments.approximation import SEED_TABLE as seed_table
+  from experiments.studies.approximation import SEED_TABLE as seed_table
   rng = np.random.default_rng(42)
   n, d = 64, 32
   q, k = (jnp.asarray(rng.standard_normal((n, 1, d)) * 0.3, jnp.float32) for _ in range(2))

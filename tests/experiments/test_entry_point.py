@@ -8,9 +8,10 @@ import os
 
 import pytest
 
-from experiments import main, training
+from experiments import main
 from experiments.configs import common
 from experiments.configs import tiny as tiny_config
+from experiments.train import training
 
 
 def test_refused_rerun_leaves_config_json_describing_the_results(tmp_path):
@@ -63,8 +64,8 @@ def test_a_field_given_twice_is_named():
     ("num_features", (16, 16), "num_features"), ("kernels", ("positive", "positive"), "kernels")])
 def test_approximation_refuses_repeated_sweep_values(field, value, named):
   """two settings with one name: the summary showed the first one's numbers for both."""
-  from experiments import approximation
   from experiments.configs import approximation as approximation_config
+  from experiments.studies import approximation
   config = common.set_fields(approximation_config.get_config("quick"), {field: value})
   with pytest.raises(ValueError, match=f"config.{named}.* must not repeat"):
     approximation.check_study(config)
@@ -79,7 +80,7 @@ def test_approximation_refuses_repeated_sweep_values(field, value, named):
     ({"quick": True}, "quick=True"), ({"experiment": "speed"}, "experiment='speed'"), ({"only": "x"}, "only='x'")])
 def test_variant_field_its_run_does_not_read_stops(fields, named):
   """the command line's "read by none of the runs" check, for a variant's own fields."""
-  from experiments import sweep
+  from experiments.train import sweep
   config = tiny_config.get_config()
   config.variants = (("v", fields),)
   with pytest.raises(ValueError, match=f"variant 'v' sets {named}"):
@@ -87,8 +88,8 @@ def test_variant_field_its_run_does_not_read_stops(fields, named):
 
 
 def test_the_shipped_configs_variants_read_every_field_they_set():
-  from experiments import sweep
   from experiments.configs import listops, mqar, quickstart, shakespeare
+  from experiments.train import sweep
   for module in (mqar, shakespeare, listops, quickstart):
     for arg in (None, "quick"):
       config = module.get_config(arg)
@@ -117,8 +118,8 @@ def test_resume_without_the_metrics_of_the_restored_steps_stops(tmp_path):
 
 def test_speed_refuses_causal_only_methods_without_causal_mode(monkeypatch):
   """favor_scan with causal=(False,) was dropped silently (alone: IndexError in summarize)."""
-  from experiments import speed
   from experiments.configs import speed as speed_config
+  from experiments.studies import speed
   monkeypatch.setattr(speed, "matmul_ceiling", lambda *a: pytest.fail("measured despite bad input"))
   config = common.set_fields(speed_config.get_config("quick"),
                              {"methods": ("favor", "favor_scan"), "causal": (False,)})
@@ -127,7 +128,7 @@ def test_speed_refuses_causal_only_methods_without_causal_mode(monkeypatch):
 
 
 def _lines_drawn(monkeypatch, plot, *args):
-  from experiments import plotting
+  from experiments.train import plotting
   drawn = []
   monkeypatch.setattr(plotting, "save", lambda fig, path, **k: drawn.append(
       sum(len(ax.get_lines()) for ax in fig.axes)) or path)
@@ -137,9 +138,9 @@ def _lines_drawn(monkeypatch, plot, *args):
 
 def test_speed_and_blocks_plots_draw_every_series(monkeypatch, tmp_path):
   """the speed plot raised KeyError beyond ten methods; the blocks plot dropped series beyond ten."""
-  from experiments import blocks, speed
   from experiments.configs import blocks as blocks_config
   from experiments.configs import speed as speed_config
+  from experiments.studies import blocks, speed
   methods = ("softmax", "jax_dot_product_attention", "favor", "favor_sharp", "taylor", "taylor_d16", "hybrid_w64",
              "positive", "hyperbolic", "relu", "elu_plus_one")
   config = common.set_fields(speed_config.get_config("quick"),
@@ -166,7 +167,7 @@ def test_negative_seed_and_infinite_lr_are_named():
 
 def test_variant_setting_a_whole_block_is_named():
   """{'train': {'lr': 0.5}} replaced the block and failed later with AttributeError: 'steps'."""
-  from experiments import sweep
+  from experiments.train import sweep
   config = tiny_config.get_config()
   config.variants = (("a", {"train": {"lr": 0.5}}),)
   with pytest.raises(ValueError, match="variant 'a' overrides 'train' with .* is a block of fields"):
@@ -186,8 +187,8 @@ def test_mqar_power_law_exponent_must_be_finite():
 def test_peers_needs_two_draws_for_its_interval():
   """approx_draws=1: the mean error's 95% interval was NaN (a standard deviation of one draw); named before
   torch is even looked for."""
-  from experiments import peers
   from experiments.configs import peers as peers_config
+  from experiments.studies import peers
   config = common.set_fields(peers_config.get_config("quick"), {"approx_draws": 1})
   with pytest.raises(ValueError, match="config.approx_draws must be >= 2"):
     peers.run(config)

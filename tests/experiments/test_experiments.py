@@ -68,13 +68,13 @@ def test_speed_quick_run_records_every_method(tmp_path):
 
 
 def test_speed_memory_is_measured_in_a_fresh_process():
-  from experiments import isolation
+  from experiments.studies import isolation
 
   job = dict(seq_len=4096, batch=1, heads=2, head_dim=16, num_features=32, dtype="float32", repeats=1,
              memory="process", memory_limit_bytes=2 ** 34, scan_max_len=4096, matmul_gflops_per_s=1.0,
              causal=False, **{"pass": "fwd"})
-  exact = isolation.spawn("experiments.speed", dict(job, method="softmax"))
-  favor = isolation.spawn("experiments.speed", dict(job, method="favor"))
+  exact = isolation.spawn("experiments.studies.speed", dict(job, method="softmax"))
+  favor = isolation.spawn("experiments.studies.speed", dict(job, method="favor"))
   # [H, L, L] float32 logits: exact attention holds them at least once (134 MB, far above the
   # ~10 MB the runtime's first run adds); FAVOR needs no [L, L] array.
   logits = 4096 * 4096 * 2 * 4
@@ -90,7 +90,7 @@ def _job(**fields):
 
 
 def test_speed_records_an_allocation_failure_and_raises_other_errors(monkeypatch):
-  from experiments import speed
+  from experiments.studies import speed
 
   # [L, L] logits at L = 2**23 (256 TiB, beyond a 47-bit address space even where the kernel overcommits):
   # XLA's allocation fails with RESOURCE_EXHAUSTED, which is a result.
@@ -107,8 +107,9 @@ def test_speed_records_an_allocation_failure_and_raises_other_errors(monkeypatch
 
 
 def test_speed_names_the_kernels_it_can_time_when_a_method_is_unknown():
-  from experiments import main, speed
+  from experiments import main
   from experiments.configs import speed as cfg
+  from experiments.studies import speed
 
   assert "elu_plus_one" not in speed.ESTIMATORS  # timed by its record's name in the quick run above
   config = cfg.get_config("quick")
@@ -118,8 +119,8 @@ def test_speed_names_the_kernels_it_can_time_when_a_method_is_unknown():
 
 
 def test_speed_summary_states_a_crossover_only_for_baselines_the_run_timed():
-  from experiments import speed
   from experiments.configs import speed as cfg
+  from experiments.studies import speed
 
   def record(method, seq_len, seconds):
     return _job(method=method, seq_len=seq_len, status="ok", median_s=seconds, peak_bytes=2 ** 20,
@@ -135,8 +136,8 @@ def test_speed_summary_states_a_crossover_only_for_baselines_the_run_timed():
 
 
 def test_peers_without_torch_exits_with_install_hint(monkeypatch):
-  from experiments import peers
   from experiments.configs import peers as cfg
+  from experiments.studies import peers
 
   monkeypatch.setattr(peers, "peers_available", lambda: False)
   with pytest.raises(SystemExit, match=r"pip install -e '.\[peers\]'"):
@@ -158,9 +159,10 @@ def test_peers_quick_run(tmp_path):
 def test_showcase_quick_run_writes_one_table_one_figure_and_the_finding(tmp_path):
   import math
 
-  from experiments import main, showcase
+  from experiments import main
   from experiments.configs import common
   from experiments.configs import showcase as cfg
+  from experiments.studies import showcase
 
   excerpt = str(ROOT / "tests" / "data" / "shakespeare")
   overrides = {"data.text_dir": excerpt, "data.valid_plays": ("tempest",), "model.num_layers": 1,
@@ -181,7 +183,7 @@ def test_showcase_quick_run_writes_one_table_one_figure_and_the_finding(tmp_path
 
 
 def test_showcase_finding_names_the_best_linear_time_run_against_softmax():
-  from experiments import showcase
+  from experiments.studies import showcase
   base = dict(task="shakespeare", kernel="positive", num_features=64, redraw_every=0, window=0, qk_head_dim=0,
               short_conv=0, steps=300, long_length=8192)
   records = [dict(base, name="softmax", attention="softmax", eval_bpc=2.80, long_step_s=10.0, long_bytes=8 * 2**30),

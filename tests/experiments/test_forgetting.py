@@ -7,12 +7,13 @@ import jax
 import numpy as np
 import pytest
 
-from experiments import main, models, steps, tasks, training
+from experiments import main, tasks
 from experiments.configs import common
 from experiments.configs import forgetting as forgetting_config
 from experiments.configs import listops as listops_config
 from experiments.configs import tradeoff as tradeoff_config
 from experiments.tasks import shakespeare
+from experiments.train import models, steps, training
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EXCERPT = os.path.join(REPO, "tests", "data", "shakespeare")

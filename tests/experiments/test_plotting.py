@@ -6,7 +6,8 @@ import math
 import ml_collections
 import pytest
 
-from experiments import approximation, plotting, speed
+from experiments.studies import approximation, speed
+from experiments.train import plotting
 
 matplotlib = pytest.importorskip("matplotlib")
 
@@ -122,7 +123,7 @@ def _study(tmp_path):
 
 
 def test_a_run_keeps_its_colour_marker_and_label_in_every_figure_of_a_study(kept_figures, tmp_path):
-  from experiments import sweep
+  from experiments.train import sweep
   sweep.plot(_study(tmp_path), ml_collections.ConfigDict(dict(task="shakespeare")), str(tmp_path))
   curves, state = kept_figures
   eval_panel = curves.axes[1]
@@ -138,7 +139,7 @@ def test_a_run_keeps_its_colour_marker_and_label_in_every_figure_of_a_study(kept
 
 
 def test_points_of_equal_state_do_not_hide_each_other(kept_figures, tmp_path):
-  from experiments import sweep
+  from experiments.train import sweep
   sweep.plot(_study(tmp_path), ml_collections.ConfigDict(dict(task="shakespeare")), str(tmp_path))
   state = kept_figures[1]
   ax = state.axes[0]

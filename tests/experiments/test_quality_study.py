@@ -11,10 +11,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from experiments import activations, main, models, sweep, tasks, training
+from experiments import main, tasks
 from experiments.configs import activations as activations_config
 from experiments.configs import common
 from experiments.configs import tiny as tiny_config
+from experiments.studies import activations
+from experiments.train import models, sweep, training
 from favor_jax import core
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -246,8 +248,8 @@ def test_tradeoff_reads_a_training_study_and_times_each_run(tmp_path):
 
 
 def test_conversion_distils_a_learned_map_before_fine_tuning(tmp_path):
-  from experiments import backward_compat
   from experiments.configs import backward_compat as backward_compat_config
+  from experiments.studies import backward_compat
   config = tiny_config.shrink(backward_compat_config.get_config("quick"))
   config.data.update(text_dir=EXCERPT, valid_plays=("tempest",), seq_len=L, num_eval_batches=2)
   config.train.steps = 20  # a softmax model with some structure in its attention to distil

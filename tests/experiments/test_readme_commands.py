@@ -11,8 +11,9 @@ import pytest
 from absl import flags
 from ml_collections import config_flags
 
-from experiments import main, training
+from experiments import main
 from experiments.configs import common
+from experiments.train import training
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 

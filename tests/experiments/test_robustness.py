@@ -17,7 +17,7 @@ import jax
 import numpy as np
 import pytest
 
-from experiments import main, sweep, tasks, timing, training
+from experiments import main, tasks
 from experiments.configs import activations as activations_config
 from experiments.configs import backward_compat as backward_compat_config
 from experiments.configs import common
@@ -26,6 +26,8 @@ from experiments.configs import mqar as mqar_config
 from experiments.configs import quickstart as quickstart_config
 from experiments.configs import shakespeare as shakespeare_config
 from experiments.configs import tiny as tiny_config
+from experiments.studies import timing
+from experiments.train import sweep, training
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -390,7 +392,7 @@ def test_backward_compat_finetune_fields_are_named(fields, message, tmp_path, no
     ({"num_features": (32, 0)}, "config.num_features must be a positive int, got 0"),
 ])
 def test_approximation_sweeps_are_checked_before_anything_is_measured(fields, message, monkeypatch):
-  from experiments import approximation
+  from experiments.studies import approximation
   monkeypatch.setattr(approximation, "measure", lambda *a, **k: pytest.fail("measured despite bad input"))
   config = common.set_fields(importlib.import_module("experiments.configs.approximation").get_config("quick"),
                              fields)
@@ -407,7 +409,7 @@ def test_approximation_sweeps_are_checked_before_anything_is_measured(fields, me
 def test_benchmark_passes_and_repeats_are_checked_before_anything_runs(study, fields, message, tmp_path,
                                                                        monkeypatch):
   module = importlib.import_module(f"experiments.{study}")
-  for timed in (module, importlib.import_module("experiments.speed")):
+  for timed in (module, importlib.import_module("experiments.studies.speed")):
     monkeypatch.setattr(timed, "median_seconds", lambda *a, **k: pytest.fail("timed despite bad input"),
                         raising=False)
   config = common.set_fields(importlib.import_module(f"experiments.configs.{study}").get_config("quick"), fields)
@@ -421,8 +423,8 @@ def test_benchmark_passes_and_repeats_are_checked_before_anything_runs(study, fi
     ({"block_fs": (8,)}, "block_f must be a power of two >= 16, got 8"),
 ])
 def test_block_sweep_choices_are_checked_up_front(fields, message, monkeypatch):
-  from experiments import blocks
   from experiments.configs import blocks as blocks_config
+  from experiments.studies import blocks
   monkeypatch.setattr(blocks.speed, "median_seconds", lambda *a, **k: pytest.fail("timed despite bad input"))
   with pytest.raises(ValueError, match=message):
     blocks.run(common.set_fields(blocks_config.get_config("quick"), fields), progress=lambda m: None)

@@ -12,13 +12,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from experiments import main, models, sweep, tasks, training
+from experiments import main, tasks
 from experiments.configs import backward_compat as backward_compat_config
 from experiments.configs import common
 from experiments.configs import listops as listops_config
 from experiments.configs import mqar as mqar_config
 from experiments.configs import tiny as tiny_config
 from experiments.tasks import listops, mqar, shakespeare
+from experiments.train import models, sweep, training
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EXCERPT = os.path.join(REPO, "tests", "data", "shakespeare")

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from experiments import models
+from experiments.train import models
 from favor_jax import core
 from favor_jax.layers import gates, make_attention_fn
 from favor_jax.layers import linen as favor_linen

@@ -275,8 +275,8 @@ def test_bad_mesh_axis_and_missing_rho_are_rejected():
 
 
 def _train(tmp_path, name, *, data=1, sequence=1, fsdp=False, stop_after=0, attention="favor"):
-  from experiments import training
   from experiments.configs import common, tiny
+  from experiments.train import training
   config = common.set_fields(tiny.get_config(), {
       "attention.type": attention, "mesh.data": data, "mesh.sequence": sequence, "mesh.fsdp": fsdp,
       "train.stop_after": stop_after, "train.log_every": 1})
@@ -302,7 +302,7 @@ def test_training_on_8_devices_matches_1_device(tmp_path, one_device_losses, dat
 
 @pytest.mark.parametrize("first,second", [(8, 1), (1, 8)])
 def test_checkpoint_moves_between_8_and_1_devices(tmp_path, one_device_losses, first, second):
-  from experiments import training
+  from experiments.train import training
   with pytest.raises(training.Stopped, match="at step 3 of 6"):
     _train(tmp_path, "moved", data=first, stop_after=3)
   moved = _losses(_train(tmp_path, "moved", data=second))

@@ -25,22 +25,23 @@ import tqdm
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from experiments import models, tasks
-from experiments.checkpointing import (
-    MAY_CHANGE_ON_RESUME,
-    NOT_OF_THE_RUN,
-    RUN_CONFIG,
-    check_resumed_config,
-    open_checkpoints,
-    record_run_config,
-    run_fields,
-    run_lock,
-)
-from experiments.config_checks import _count, check_config, check_overrides_used, unused_fields
+from experiments import tasks
 from experiments.configs import common
-from experiments.metrics import MetricsLog, checked_eval, make_eval, raise_if_nonfinite
-from experiments.sharding import make_mesh, place, put_batch, state_shardings
-from experiments.steps import TrainState, init_state, make_lr, make_optimizer, make_train_step, metric_sums
+from experiments.train import models
+from experiments.train.checkpointing import (
+  MAY_CHANGE_ON_RESUME,
+  NOT_OF_THE_RUN,
+  RUN_CONFIG,
+  check_resumed_config,
+  open_checkpoints,
+  record_run_config,
+  run_fields,
+  run_lock,
+)
+from experiments.train.config_checks import _count, check_config, check_overrides_used, unused_fields
+from experiments.train.metrics import MetricsLog, checked_eval, make_eval, raise_if_nonfinite
+from experiments.train.sharding import make_mesh, place, put_batch, state_shardings
+from experiments.train.steps import TrainState, init_state, make_lr, make_optimizer, make_train_step, metric_sums
 
 __all__ = ["MAY_CHANGE_ON_RESUME", "NOT_OF_THE_RUN", "RUN_CONFIG", "TIMING_FIELDS", "Setup", "Stopped", "TrainState",
            "_count", "build", "check_config", "check_overrides_used", "check_resumed_config", "init_state",

@@ -21,7 +21,9 @@ import os
 import jax
 from flax import traverse_util
 
-from experiments import activations, plotting, sweep, tasks, training
+from experiments import tasks
+from experiments.studies import activations
+from experiments.train import plotting, sweep, training
 from favor_jax import layers
 
 

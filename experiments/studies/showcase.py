@@ -1,7 +1,7 @@
 """The main job: what the library is for, in one table and one figure, in minutes on a CPU.
 
 Trains each variant of the config (softmax, FAVOR+, the best linear-time variants) on the same task with
-:mod:`experiments.sweep`, then compiles one train step of each run's model on one sequence of
+:mod:`experiments.train.sweep`, then compiles one train step of each run's model on one sequence of
 ``config.long.length`` tokens, reads XLA's memory accounting of it (arguments + outputs + temporaries) and
 times it (median of ``config.long.repeats`` steps): quality where softmax is affordable, cost where it is not.
 """
@@ -15,14 +15,15 @@ import time
 import jax
 import tqdm
 
-from experiments import plotting, sweep, tradeoff, training
-from experiments.timing import median_of
+from experiments.studies import tradeoff
+from experiments.studies.timing import median_of
+from experiments.train import plotting, sweep, training
 
 SHOWCASE_FIELDS = ("long",)  # the study's own fields: no training run reads them
 
 
 def training_config(config):
-  """``config`` without the showcase's own fields: what :mod:`experiments.sweep` trains (a run's recorded
+  """``config`` without the showcase's own fields: what :mod:`experiments.train.sweep` trains (a run's recorded
   fields stay those of a training run, so resuming does not depend on ``long``)."""
   config = copy.deepcopy(config)
   config.unlock()

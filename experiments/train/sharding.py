@@ -8,7 +8,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from experiments import tasks
-from experiments.steps import TrainState
+from experiments.train.steps import TrainState
 
 
 def make_mesh(m) -> Mesh:

@@ -1,7 +1,7 @@
 """Approximation on real activations: every estimator against exact attention on a trained model's q, k, v.
 
 The model is the Shakespeare character LM with softmax attention (the config's
-``model`` fields), trained in ``workdir/model`` by ``experiments.training`` or
+``model`` fields), trained in ``workdir/model`` by ``experiments.train.training`` or
 resumed from there (``config.model_dir`` points elsewhere). Its queries, keys
 and values are captured from its own forward pass (Flax
 ``capture_intermediates`` on each attention layer's query/key/value
@@ -25,8 +25,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from experiments import models, plotting, tasks, training
+from experiments import tasks
 from experiments.configs import common
+from experiments.train import models, plotting, training
 from favor_jax import core, layers
 
 

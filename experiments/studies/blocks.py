@@ -16,8 +16,10 @@ import itertools
 import jax
 import jax.numpy as jnp
 
-from experiments import plotting, speed, tasks
-from experiments.timing import check_timing
+from experiments import tasks
+from experiments.studies import speed
+from experiments.studies.timing import check_timing
+from experiments.train import plotting
 from favor_jax import core
 from favor_jax.core import attention, fused
 from favor_jax.core import state as shared

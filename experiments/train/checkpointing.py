@@ -12,9 +12,9 @@ import socket
 import jax
 import orbax.checkpoint as ocp
 
-from experiments.config_checks import unused_fields
 from experiments.configs import common
-from experiments.steps import TrainState
+from experiments.train.config_checks import unused_fields
+from experiments.train.steps import TrainState
 
 
 def _reason(error: Exception, width: int = 160) -> str:

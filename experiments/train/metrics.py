@@ -10,8 +10,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from experiments.sharding import put_batch
-from experiments.steps import TrainState, metric_sums
+from experiments.train.sharding import put_batch
+from experiments.train.steps import TrainState, metric_sums
 
 
 def make_eval(model, task, mesh: Mesh):

@@ -14,9 +14,9 @@ import os
 
 import jax
 
-from experiments import models, plotting, training
 from experiments.configs import common
 from experiments.tasks import listops
+from experiments.train import models, plotting, training
 from favor_jax import core, layers
 
 

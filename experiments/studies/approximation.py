@@ -13,7 +13,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from experiments import plotting, tasks
+from experiments import tasks
+from experiments.train import plotting
 from favor_jax import core
 from favor_jax.core import draw_projection
 

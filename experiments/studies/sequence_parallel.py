@@ -14,9 +14,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType
 
-from experiments import plotting
-from experiments.speed import inputs, median_seconds
-from experiments.timing import check_timing
+from experiments.studies.speed import inputs, median_seconds
+from experiments.studies.timing import check_timing
+from experiments.train import plotting
 from favor_jax import core, parallel
 
 

@@ -24,8 +24,9 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from experiments import isolation, plotting
-from experiments.timing import check_timing, median_of
+from experiments.studies import isolation
+from experiments.studies.timing import check_timing, median_of
+from experiments.train import plotting
 from favor_jax import core
 
 CHUNK = 64  # favor_attention's default chunk_size, for the FLOP count
@@ -254,7 +255,7 @@ def run(config, progress=print, workdir=None):
   for job in jobs(config, ceiling, limit):
     if config.memory == "process":
       try:
-        rec = isolation.spawn("experiments.speed", job)
+        rec = isolation.spawn("experiments.studies.speed", job)
       except subprocess.CalledProcessError as e:
         if e.returncode != -9:  # anything but the OOM killer is a bug, not a result
           raise RuntimeError(f"speed case {job} failed:\n{e.stderr[-3000:]}") from e

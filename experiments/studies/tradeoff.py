@@ -19,8 +19,9 @@ import jax.numpy as jnp
 import matplotlib.ticker
 import ml_collections
 
-from experiments import models, plotting, sweep, tasks, training
-from experiments.timing import check_sizes, median_of
+from experiments import tasks
+from experiments.studies.timing import check_sizes, median_of
+from experiments.train import models, plotting, sweep, training
 
 
 def load_study(directory: str) -> tuple[ml_collections.ConfigDict, list[dict]]:

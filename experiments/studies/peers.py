@@ -14,8 +14,9 @@ import os
 
 import numpy as np
 
-from experiments import isolation, plotting
-from experiments.timing import check_timing, median_of
+from experiments.studies import isolation
+from experiments.studies.timing import check_timing, median_of
+from experiments.train import plotting
 
 INSTALL_HINT = "pip install -e '.[peers]'  (torch CPU and performer-pytorch)"
 
@@ -142,7 +143,7 @@ def run(config, progress=print, workdir=None):
                      heads=config.heads, head_dim=config.head_dim, num_features=config.num_features,
                      threads=config.threads or os.cpu_count(), repeats=config.repeats, **{"pass": pass_})
           threads = {"OMP_NUM_THREADS": str(job["threads"])}
-          records.append(isolation.spawn("experiments.peers", job, threads))
+          records.append(isolation.spawn("experiments.studies.peers", job, threads))
           progress(f"{library:>17} {'causal' if causal else 'bidir':>6} L={length:<6} {pass_:>7} "
                    f"{records[-1]['median_s']:.4f}s  {records[-1]['peak_bytes'] / 2**20:.0f} MB")
   records += approximation(config)

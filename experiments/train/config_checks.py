@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import math
 
-from experiments import models, tasks
+from experiments import tasks
+from experiments.train import models
 from favor_jax.layers.settings import projection_role
 
 

@@ -1,0 +1,2 @@
+"""The studies: approximation, speed, activations, trade-off, showcase, peers, backward compatibility, sequence
+parallelism, block sizes, and their timing and isolation helpers. They may import ``experiments.train``."""
