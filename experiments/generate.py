@@ -16,7 +16,6 @@ from absl import app, flags
 from experiments.train import generation
 
 
-
 def define_flags() -> None:
   """The command's flags (defined when it runs as a program: ``experiments.main`` defines its own --workdir)."""
   flags.DEFINE_string("workdir", None, "a run's directory (checkpoints/, run_config.json)")

@@ -47,7 +47,7 @@ class AttentionSpec(NamedTuple):
 
 
 def rotary(x_BLHD: Float[Array, "B L H D"], base: float = 10000.0,
-           positions_L: Int[Array, "L"] | None = None) -> Float[Array, "B L H D"]:
+           positions_L: Int[Array, " L"] | None = None) -> Float[Array, "B L H D"]:
   """Rotary position embedding (Su et al. 2021): rotates feature pairs (i, i + D/2) by angle t·base^(-2i/D) at
   position t, ``positions_L`` (None: 0..L-1; decoding: where the new tokens are)."""
   length, dim = x_BLHD.shape[-3], x_BLHD.shape[-1]
@@ -107,7 +107,8 @@ class SoftmaxAttention(nn.Module):
 
   ``decode``: a key-value cache of ``cache_len`` positions per sequence (``cache`` collection: ``keys``,
   ``values`` [B, cache_len, Hkv, D], rotated keys; ``index``, the tokens cached). A call of l > 1 tokens is a
-  prompt into the empty cache (the causal pass over it); one token attends to every cached key. Ungated only.
+  prompt into the empty cache (the causal pass over it); one token attends to every cached key (Flax's
+  ``dot_product_attention``: the reference's input checks would cost more than the step). Ungated only.
   """
   num_heads: int
   rotary: bool
@@ -161,9 +162,9 @@ class SoftmaxAttention(nn.Module):
     index.value = index.value + new
     if new > 1:  # a prompt into the empty cache: the causal pass over it
       return core.softmax_attention(q_BlHD, *inputs.repeat_kv_heads(k_BlKD, v_BlKD, self.num_heads), causal=True)
-    seen_BC = jnp.broadcast_to(jnp.arange(self.cache_len) < index.value, (batch, self.cache_len))
+    seen_11C = (jnp.arange(self.cache_len) < index.value)[None, None, :]  # Flax's [heads, q, keys] mask
     k_BCHD, v_BCHD = inputs.repeat_kv_heads(keys.value, values.value, self.num_heads)
-    return core.softmax_attention(q_BlHD, k_BCHD, v_BCHD, key_mask=seen_BC)
+    return nn.dot_product_attention(q_BlHD, k_BCHD, v_BCHD, mask=seen_11C)  # Flax's, lean: one query per step
 
 
 def flax_softmax(attention: AttentionSpec) -> bool:
@@ -219,7 +220,8 @@ class Block(nn.Module):
   @nn.compact
   def __call__(self, x_BLD, mask, train: bool, segment_ids=None):
     if self.short_conv:
-      x_BLD = x_BLD + ShortConv(self.short_conv, self.attention.decode, name="short_conv")(nn.LayerNorm(name="ln_conv")(x_BLD))
+      conv = ShortConv(self.short_conv, self.attention.decode, name="short_conv")
+      x_BLD = x_BLD + conv(nn.LayerNorm(name="ln_conv")(x_BLD))
     attend = attention_layer(self.attention, self.num_heads, self.positions, "attention")
     packed = {} if segment_ids is None else {"segment_ids": segment_ids}
     x_BLD = x_BLD + attend(nn.LayerNorm(name="ln_attention")(x_BLD), mask=mask, deterministic=not train, **packed)
