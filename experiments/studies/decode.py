@@ -141,7 +141,8 @@ def summarize(records, config) -> str:
         f"{ratio(s and s['state_bytes_per_sequence'], f and f['state_bytes_per_sequence'])} | "
         f"{cell(f, 'prefill_s', '{:.1f} s')} |")
   lines.append("\nState: bytes per sequence of every layer's decode cache (FAVOR+: the recurrent state and running "
-               "maximum per head, the same at every L; softmax: L keys and values per layer, float32). FAVOR+'s "
+               "maximum per head, the same at every L; softmax: keys and values per layer, float32, for L + "
+               f"{config.repeats + 2} positions, the prompt's and the decoded tokens'). FAVOR+'s "
                "state comes from a real prefill of the prompt (random bytes, in calls of "
                f"{config.prefill_chunk} tokens). Softmax's cache is filled with random keys and values and its "
                "index set to L without a prefill: a decode step reads every cached key and value whatever they "
