@@ -229,6 +229,9 @@ def main(argv):
     run(_CONFIG.value, _WORKDIR.value, overrides)
   except training.Stopped as e:  # a stop asked for: no results (they would be of unfinished models), exit 0
     print(e, flush=True)
+  except training.Preempted as e:  # SIGTERM/SIGINT: a checkpoint saved; the exit status the signal would give
+    print(e, flush=True)
+    sys.exit(128 + e.signum)
 
 
 if __name__ == "__main__":

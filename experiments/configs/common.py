@@ -159,6 +159,9 @@ def training_config(name: str, task: str, quick: bool) -> ml_collections.ConfigD
   config.model.mlp_dim = 256  # hidden width of each block's GELU MLP
   config.model.positions = "rotary"  # "learned" (absolute embeddings), "rotary" (applied to q, k) or "none"
   config.model.short_conv = 0  # > 0: each block opens with a residual causal depthwise conv this wide (Based)
+  config.model.dtype = "float32"  # compute dtype: "float32" or "bfloat16" (logits, loss, optimiser: float32)
+  config.model.param_dtype = "float32"  # parameters' dtype (and so AdamW's moments): "float32"
+  config.model.remat = "none"  # "block": recompute each block's activations in the backward pass (memory)
 
   config.attention = ml_collections.ConfigDict()
   config.attention.type = "softmax"  # "softmax" (Flax's attention) or "favor" (favor_jax FavorAttention)
@@ -176,6 +179,7 @@ def training_config(name: str, task: str, quick: bool) -> ml_collections.ConfigD
   config.train.seed = 0  # parameters, projection draws and the data stream
   config.train.steps = 1000  # optimiser steps
   config.train.batch_size = 32  # sequences per step
+  config.train.grad_accum_steps = 1  # microbatches per step: their gradients are summed into one update
   config.train.lr = 1e-3  # peak AdamW learning rate
   config.train.warmup_steps = 100  # linear warmup from lr/warmup_steps to lr, then cosine decay
   config.train.final_lr_fraction = 0.1  # learning rate at the last step, as a fraction of lr

@@ -1,4 +1,5 @@
-"""Training tasks: generated (MQAR, ListOps) or real text (Shakespeare), each a :class:`Task`.
+"""Training tasks: generated (MQAR, ListOps) or real text (your files or token array: ``text``; Shakespeare),
+each a :class:`Task`.
 
 Every batch is a pure function of the config's seed and its position in the
 stream, so a run resumed from a checkpoint (which stores the position) sees
@@ -13,7 +14,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-TASKS = ("mqar", "listops", "shakespeare")
+TASKS = ("mqar", "listops", "shakespeare", "text")
 
 
 class Batch(NamedTuple):
@@ -34,6 +35,7 @@ class Task(NamedTuple):
   # ((L, batches), ...): held-out sets at other lengths than training's (length extrapolation), evaluated at
   # the end of training (metrics ``eval_*_at_L``)
   length_evals: tuple = ()
+  split: str = ""  # how the held-out set was chosen, in words ("" where it is generated)
 
 
 def stream_rng(seed: int, stream: int, position: int) -> np.random.Generator:
@@ -65,6 +67,12 @@ def check_data(config) -> None:
   except (KeyError, AttributeError) as e:
     raise ValueError(f"task {config.task!r} reads a data field this config lacks ({e}): a task's data block "
                      f"comes with its config file; run experiments/configs/{config.task}.py instead") from None
+
+
+def unused_data(config) -> dict:
+  """{"data.FIELD": why the task does not read it under this config} (a task without the rule: {})."""
+  rule = getattr(_module(config.task), "unused_data", None)
+  return {} if rule is None else {f"data.{k}": why for k, why in rule(config.data).items()}
 
 
 def positive_int(name: str, value) -> None:

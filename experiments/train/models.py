@@ -32,6 +32,9 @@ ATTENTION_TYPES = ("softmax", "favor")
 # (a causal model still orders tokens, and a forget gate adds recency).
 POSITIONS = ("learned", "rotary", "none")
 ANY_LENGTH = ("rotary", "none")  # the positions whose parameters do not depend on the length
+DTYPES = ("float32", "bfloat16")  # model.dtype: the compute dtype (activations, matmul inputs)
+PARAM_DTYPES = ("float32",)  # model.param_dtype: parameters (and so AdamW's moments) stay float32
+REMAT = ("none", "block")  # model.remat: "block" recomputes each block's activations in the backward pass
 
 
 class AttentionSpec(NamedTuple):
@@ -117,13 +120,16 @@ class SoftmaxAttention(nn.Module):
   num_kv_heads: int | None = None
   decode: bool = False
   cache_len: int = 0
+  dtype: jnp.dtype = jnp.float32  # compute dtype
+  param_dtype: jnp.dtype = jnp.float32
 
   @nn.compact
   def __call__(self, x_BLD, mask=None, deterministic=True, segment_ids=None):
     del mask, deterministic  # causal (no padding in an LM), no dropout
     d_model = x_BLD.shape[-1]
+    kinds = dict(dtype=self.dtype, param_dtype=self.param_dtype)
     kv_heads = self.num_kv_heads or self.num_heads
-    dense = lambda name, heads: nn.DenseGeneral((heads, d_model // self.num_heads), name=name)
+    dense = lambda name, heads: nn.DenseGeneral((heads, d_model // self.num_heads), name=name, **kinds)
     q_BLHD, k_BLKD, v_BLKD = (dense("query", self.num_heads)(x_BLD), dense("key", kv_heads)(x_BLD),
                               dense("value", kv_heads)(x_BLD))
     if self.decode:
@@ -131,19 +137,19 @@ class SoftmaxAttention(nn.Module):
         raise ValueError("the softmax key-value cache decodes ungated, unpacked models only (forget_gate, alibi "
                          "and segment_ids are not cached)")
       out_BLHD = self._cached(q_BLHD, k_BLKD, v_BLKD)
-      return nn.DenseGeneral(d_model, axis=(-2, -1), name="out")(out_BLHD)
+      return nn.DenseGeneral(d_model, axis=(-2, -1), name="out", **kinds)(out_BLHD)
     if self.rotary:
       q_BLHD, k_BLKD = rotary(q_BLHD), rotary(k_BLKD)
     logit_BLH = None
     if self.forget_gate:
       kernel_init, bias_init = gates.forget_gate_init()
-      logit_BLH = nn.DenseGeneral(self.num_heads, kernel_init=kernel_init, bias_init=bias_init,
-                                  name="forget_gate")(x_BLD)
+      logit_BLH = nn.DenseGeneral(self.num_heads, kernel_init=kernel_init, bias_init=bias_init, dtype=jnp.float32,
+                                  param_dtype=self.param_dtype, name="forget_gate")(x_BLD)
     log_gate = gates.layer_log_gate(logit_BLH, self.alibi, q_BLHD.shape[:-1])
     k_BLHD, v_BLHD = inputs.repeat_kv_heads(k_BLKD, v_BLKD, self.num_heads)
     out_BLHD = core.softmax_attention(q_BLHD, k_BLHD, v_BLHD, causal=True,
                                       **gates.gate_kwargs(log_gate, segment_ids))
-    return nn.DenseGeneral(d_model, axis=(-2, -1), name="out")(out_BLHD)
+    return nn.DenseGeneral(d_model, axis=(-2, -1), name="out", **kinds)(out_BLHD)
 
   def _cached(self, q_BlHD, k_BlKD, v_BlKD):
     """Decoding: the new tokens' keys and values written at ``index``, the queries read against the cache."""
@@ -174,18 +180,24 @@ def flax_softmax(attention: AttentionSpec) -> bool:
                                               or attention.decode or attention.num_kv_heads)
 
 
-def attention_layer(attention: AttentionSpec, num_heads: int, positions: str, name: str) -> nn.Module:
+def attention_layer(attention: AttentionSpec, num_heads: int, positions: str, name: str,
+                    dtype=jnp.float32, param_dtype=jnp.float32) -> nn.Module:
   """The attention module named by ``attention.type`` ("softmax" or "favor"); gated, packed, grouped-query or
-  decoding softmax: :class:`SoftmaxAttention` (the same parameters as Flax's)."""
+  decoding softmax: :class:`SoftmaxAttention` (the same parameters as Flax's). ``dtype`` is the compute dtype
+  of its projections (attention inside follows the library's precision policy), ``param_dtype`` its
+  parameters'."""
+  kinds = dict(dtype=dtype, param_dtype=param_dtype)
   if attention.type == "softmax":
     rope = positions == "rotary"
     if not flax_softmax(attention):
       return SoftmaxAttention(num_heads, rope, attention.forget_gate, attention.alibi, attention.num_kv_heads,
-                              attention.decode, attention.cache_len, name=name)
+                              attention.decode, attention.cache_len, name=name, **kinds)
     return nn.MultiHeadDotProductAttention(
-        num_heads=num_heads, attention_fn=_rotary_softmax if rope else nn.dot_product_attention, name=name)
+        num_heads=num_heads, attention_fn=_rotary_softmax if rope else nn.dot_product_attention, name=name,
+        **kinds)
   fields = {f.name: getattr(attention.favor, f.name) for f in dataclasses.fields(attention.favor)}
-  return favor_linen.FavorAttention(num_heads=num_heads, num_kv_heads=attention.num_kv_heads, name=name, **fields)
+  return favor_linen.FavorAttention(num_heads=num_heads, num_kv_heads=attention.num_kv_heads, name=name, **fields,
+                                    **kinds)
 
 
 class ShortConv(nn.Module):
@@ -195,12 +207,15 @@ class ShortConv(nn.Module):
   single out. Decoding keeps the last width-1 inputs (``cache/inputs``)."""
   width: int
   decode: bool = False
+  dtype: jnp.dtype = jnp.float32
+  param_dtype: jnp.dtype = jnp.float32
 
   @nn.compact
   def __call__(self, x_BLD):
     d_model, past = x_BLD.shape[-1], self.width - 1
     conv = lambda padding: nn.Conv(d_model, kernel_size=(self.width,), padding=padding,
-                                   feature_group_count=d_model, name="conv")
+                                   feature_group_count=d_model, dtype=self.dtype, param_dtype=self.param_dtype,
+                                   name="conv")
     if not self.decode:
       return conv(((past, 0),))(x_BLD)
     cached = self.variable("cache", "inputs", jnp.zeros, x_BLD.shape[:1] + (past, d_model), x_BLD.dtype)
@@ -216,17 +231,21 @@ class Block(nn.Module):
   mlp_dim: int
   positions: str
   short_conv: int = 0  # > 0: a residual ShortConv of this width before attention (0 = none)
+  dtype: jnp.dtype = jnp.float32  # compute dtype
+  param_dtype: jnp.dtype = jnp.float32
 
   @nn.compact
   def __call__(self, x_BLD, mask, train: bool, segment_ids=None):
+    kinds = dict(dtype=self.dtype, param_dtype=self.param_dtype)
+    norm = lambda name: nn.LayerNorm(name=name, **kinds)
     if self.short_conv:
-      conv = ShortConv(self.short_conv, self.attention.decode, name="short_conv")
-      x_BLD = x_BLD + conv(nn.LayerNorm(name="ln_conv")(x_BLD))
-    attend = attention_layer(self.attention, self.num_heads, self.positions, "attention")
+      conv = ShortConv(self.short_conv, self.attention.decode, name="short_conv", **kinds)
+      x_BLD = x_BLD + conv(norm("ln_conv")(x_BLD))
+    attend = attention_layer(self.attention, self.num_heads, self.positions, "attention", **kinds)
     packed = {} if segment_ids is None else {"segment_ids": segment_ids}
-    x_BLD = x_BLD + attend(nn.LayerNorm(name="ln_attention")(x_BLD), mask=mask, deterministic=not train, **packed)
-    h_BLF = nn.gelu(nn.Dense(self.mlp_dim, name="mlp_in")(nn.LayerNorm(name="ln_mlp")(x_BLD)))
-    return x_BLD + nn.Dense(x_BLD.shape[-1], name="mlp_out")(h_BLF)
+    x_BLD = x_BLD + attend(norm("ln_attention")(x_BLD), mask=mask, deterministic=not train, **packed)
+    h_BLF = nn.gelu(nn.Dense(self.mlp_dim, name="mlp_in", **kinds)(norm("ln_mlp")(x_BLD)))
+    return x_BLD + nn.Dense(x_BLD.shape[-1], name="mlp_out", **kinds)(h_BLF)
 
 
 class Transformer(nn.Module):
@@ -235,7 +254,9 @@ class Transformer(nn.Module):
   The classifier mean-pools the non-padding positions (token 0 is padding).
   ``train=True`` lets causal FAVOR++ layers update their running ρ (``favor``
   collection mutable); there is no dropout. ``segment_ids`` [B, L]: packed documents, no attention across a
-  boundary (positions must be relative: rotary or none); None: one document per row.
+  boundary (positions must be relative: rotary or none); None: one document per row. ``dtype``: the compute
+  dtype (parameters in ``param_dtype``); the logits are float32 whatever it is. ``remat="block"``: each block's
+  activations are recomputed in the backward pass instead of kept (memory for compute).
 
   ``attention.decode`` (a causal LM): each call continues the sequences of the ``cache`` collection (made by
   ``init`` on one token) by its tokens, giving their logits: FAVOR layers through their constant-size state,
@@ -251,6 +272,9 @@ class Transformer(nn.Module):
   positions: str
   attention: AttentionSpec
   short_conv: int = 0  # > 0: each block starts with a residual causal depthwise convolution of this width
+  dtype: jnp.dtype = jnp.float32  # compute dtype: float32 or bfloat16
+  param_dtype: jnp.dtype = jnp.float32
+  remat: str = "none"  # "none" or "block"
 
   @nn.compact
   def __call__(self, tokens_BL: Int[Array, "B L"], train: bool = False,
@@ -259,7 +283,8 @@ class Transformer(nn.Module):
     length = tokens_BL.shape[-1]
     if length > self.max_len:
       raise ValueError(f"tokens has length {length}, more than the model's max_len {self.max_len}")
-    x_BLD = nn.Embed(self.vocab_size, self.d_model, name="embed")(tokens_BL)
+    kinds = dict(dtype=self.dtype, param_dtype=self.param_dtype)
+    x_BLD = nn.Embed(self.vocab_size, self.d_model, name="embed", **kinds)(tokens_BL)
     if self.positions == "learned":
       t_L = jnp.arange(length)
       if self.attention.decode:
@@ -267,22 +292,26 @@ class Transformer(nn.Module):
         t_L = t_L + index.value
         if not self.is_initializing():
           index.value = index.value + length
-      x_BLD = x_BLD + nn.Embed(self.max_len, self.d_model, name="position")(t_L)
+      x_BLD = x_BLD + nn.Embed(self.max_len, self.d_model, name="position", **kinds)(t_L)
     pad_BL = tokens_BL != 0
     if causal:  # LM: no padding; Flax's softmax needs an explicit causal mask, FAVOR and SoftmaxAttention not
       mask = nn.make_causal_mask(tokens_BL) if flax_softmax(self.attention) else None
     else:  # classifier: remove padding keys for every query (the only mask FAVOR can honour)
       mask = pad_BL[:, None, None, :]
-    block = functools.partial(Block, self.attention, self.num_heads, self.mlp_dim, self.positions,
-                              self.short_conv)
+    # static_argnums count the module: (self, x, mask, train, segment_ids) -> train is static
+    block_class = nn.remat(Block, static_argnums=(3,)) if self.remat == "block" else Block
+    block = functools.partial(block_class, self.attention, self.num_heads, self.mlp_dim, self.positions,
+                              self.short_conv, **kinds)
     for i in range(self.num_layers):
       x_BLD = block(name=f"block_{i}")(x_BLD, mask, train, segment_ids)
-    x_BLD = nn.LayerNorm(name="ln_final")(x_BLD)
+    x_BLD = nn.LayerNorm(name="ln_final", **kinds)(x_BLD)
+    # The head in float32 (and so the logits and the loss): bfloat16's 8 bits would round log-probabilities.
+    head = lambda n: nn.Dense(n, name="head", dtype=jnp.float32, param_dtype=self.param_dtype)
     if causal:
-      return nn.Dense(self.vocab_size, name="head")(x_BLD)
+      return head(self.vocab_size)(x_BLD)
     weights_BL1 = pad_BL[..., None].astype(x_BLD.dtype)
     pooled_BD = (x_BLD * weights_BL1).sum(-2) / jnp.maximum(weights_BL1.sum(-2), 1.0)
-    return nn.Dense(self.num_classes, name="head")(pooled_BD)
+    return head(self.num_classes)(pooled_BD)
 
 
 def make_model(config, vocab_size: int, num_classes: int, max_len: int, mesh: Mesh | None = None,
@@ -306,7 +335,9 @@ def make_model(config, vocab_size: int, num_classes: int, max_len: int, mesh: Me
                        cache_len=cache_len)
   return Transformer(vocab_size=vocab_size, num_classes=num_classes, max_len=max_len, d_model=m.d_model,
                      num_layers=m.num_layers, num_heads=m.num_heads, mlp_dim=m.mlp_dim,
-                     positions=m.positions, short_conv=m.short_conv, attention=spec)
+                     positions=m.positions, short_conv=m.short_conv, attention=spec,
+                     dtype=jnp.dtype(m.get("dtype", "float32")), param_dtype=jnp.dtype(m.get("param_dtype", "float32")),
+                     remat="none" if decode else m.get("remat", "none"))  # decoding has no backward pass
 
 
 def decode_state_size(config, seq_len: int) -> int:

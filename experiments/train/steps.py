@@ -61,22 +61,49 @@ def init_state(config, model, task, optimizer, params=None) -> TrainState:
                     optimizer.init(variables["params"]), jnp.zeros(3, jnp.float32), jnp.int32(-1))
 
 
-def make_train_step(model, optimizer, redraw_every: int, redraw_key, shardings=None):
-  """The jitted step; ``shardings`` = (state shardings, batch sharding) pins the layout on a mesh."""
+def make_train_step(model, optimizer, redraw_every: int, redraw_key, shardings=None, accum_steps: int = 1):
+  """The jitted step; ``shardings`` = (state shardings, batch sharding) pins the layout on a mesh.
+
+  ``accum_steps`` > 1 splits the batch into that many microbatches (rows ``i::accum_steps``, so each stays
+  split over the data axis like the whole batch), run one after another: the gradient is the sum of theirs
+  over the whole batch's loss weight, the whole batch's gradient up to float32 rounding, with one
+  microbatch's activations in memory at a time. Layers' running statistics (FAVOR++'s ρ) pass from one
+  microbatch to the next.
+  """
+  def micro_grads(params, favor, batch: tasks.Batch):
+    """(Σ w·loss, Σ w·correct, Σ w) of ``batch`` and the gradient of its Σ w·loss; the layers' updated state."""
+    def summed_loss(params):
+      packed = {} if batch.segment_ids is None else {"segment_ids": batch.segment_ids}
+      logits, updated = model.apply({"params": params, "favor": favor}, batch.tokens, train=True,
+                                    mutable=["favor"], **packed)
+      sums = metric_sums(logits, batch)
+      return sums[0], (sums, updated.get("favor", favor))
+
+    (_, (sums, favor)), grads = jax.value_and_grad(summed_loss, has_aux=True)(params)
+    return sums, grads, favor
+
   def train_step(state: TrainState, batch: tasks.Batch):
     favor = state.favor
     if favor:  # a new projection before the steps where the schedule says so (pure in the step)
       due = redraw_due(state.step, redraw_every)
       favor = favor_linen.redraw({"favor": favor}, jax.random.fold_in(redraw_key, state.step), due)["favor"]
+    if accum_steps == 1:
+      sums, grads, favor = micro_grads(state.params, favor, batch)
+    else:
+      # [B, ...] -> [accum, B/accum, ...]: microbatch i holds rows i, i + accum, ...
+      split = lambda x: None if x is None else x.reshape(-1, accum_steps, *x.shape[1:]).swapaxes(0, 1)
+      micro = tasks.Batch(*(split(x) for x in batch))
 
-    def loss_fn(params):
-      packed = {} if batch.segment_ids is None else {"segment_ids": batch.segment_ids}
-      logits, updated = model.apply({"params": params, "favor": favor}, batch.tokens, train=True,
-                                    mutable=["favor"], **packed)
-      sums = metric_sums(logits, batch)
-      return sums[0] / jnp.maximum(sums[2], 1.0), (sums, updated.get("favor", favor))
+      def accumulate(carry, one):
+        sums, grads, favor = carry
+        one_sums, one_grads, favor = micro_grads(state.params, favor, one)
+        return (sums + one_sums, jax.tree.map(jnp.add, grads, one_grads), favor), None
 
-    (loss, (sums, favor)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+      zeros = (jnp.zeros(3, jnp.float32), jax.tree.map(jnp.zeros_like, state.params), favor)
+      (sums, grads, favor), _ = jax.lax.scan(accumulate, zeros, micro)
+    weight = jnp.maximum(sums[2], 1.0)
+    grads = jax.tree.map(lambda g: g / weight, grads)  # the gradient of the mean loss over the whole batch
+    loss = sums[0] / weight
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     nonfinite = (state.nonfinite_step < 0) & ~jnp.isfinite(loss)
     return TrainState(state.step + 1, state.data_position + 1, optax.apply_updates(state.params, updates),

@@ -16,8 +16,7 @@ import jax
 
 from experiments.configs import common
 from experiments.tasks import listops
-from experiments.train import models, plotting, training
-from favor_jax import core, layers
+from experiments.train import flops, models, plotting, training
 
 
 def variant_configs(config) -> list[tuple[str, object]]:
@@ -58,15 +57,8 @@ def runs(config) -> list[tuple[str, str, object]]:
 
 
 def features(config) -> int:
-  """F, the feature dimension of the config's FAVOR layers (0 for softmax): M for FAVOR+, 2M for
-  hyperbolic, 1 + d + d(d+1)/2 for Taylor, 2·D for Hedgehog (its map is [D, D])."""
-  a = config.attention
-  if a.type != "favor":
-    return 0
-  qk_dim = a.qk_head_dim or config.model.d_model // config.model.num_heads
-  role = layers.projection_role(a.kernel)
-  rows = a.num_features if role == "random" else qk_dim if role == "learned" else None
-  return core.kernels.num_features(a.kernel, rows, qk_dim)
+  """F, the feature dimension of the config's FAVOR layers (0 for softmax): ``flops.feature_map``'s."""
+  return flops.feature_map(config)[1]
 
 
 def sequence_length(config) -> int:
@@ -95,7 +87,8 @@ def final_record(name: str, config, records: list[dict]) -> dict:
       steps=config.train.steps, seed=config.train.seed,
       train_loss=trains[-1]["train_loss"], **{k: v for k, v in evals[-1].items() if k.startswith("eval_")},
       best_eval_accuracy=max(r["eval_accuracy"] for r in evals),
-      steps_per_s=trains[-1].get("steps_per_s", float("nan")))
+      steps_per_s=trains[-1].get("steps_per_s", float("nan")),
+      **{k: trains[-1][k] for k in ("tokens_per_s", "mfu", "flops_per_token", "peak") if k in trains[-1]})
 
 
 def run(config, progress, workdir) -> list[dict]:
@@ -230,11 +223,17 @@ def summarize(records: list[dict], config) -> str:
             "the next token (softmax: its key-value cache at the training length L; for an encoder task, what a "
             "causal layer of the same shape would keep).\n"]
   columns = ["run", "attention", "F", "L", "kv pairs", "seed", "steps", "eval loss", metric, "best eval acc",
-             "state", "steps/s"]
+             "state", "steps/s", "tokens/s", "MFU"]
   lines += markdown_table(columns, [
       [r["name"], setting(r), str(r["features"] or "–"), str(r["seq_len"]), str(r["num_kv_pairs"] or ""),
        str(r["seed"]), str(r["steps"]), f"{r['eval_loss']:.4f}", f"{r[metric]:.4f}",
-       f"{r['best_eval_accuracy']:.4f}", str(r["state_size"]), f"{r['steps_per_s']:.2f}"] for r in records])
+       f"{r['best_eval_accuracy']:.4f}", str(r["state_size"]), f"{r['steps_per_s']:.2f}",
+       f"{r['tokens_per_s']:,.0f}" if "tokens_per_s" in r else "", f"{r['mfu']:.2%}" if "mfu" in r else ""]
+      for r in records])
+  if any("mfu" in r for r in records):
+    lines += ["", "tokens/s and MFU: the last logging window's rate (this process's clock); MFU = tokens/s × model "
+              "FLOPs per token (train: 3 × forward, attention included; docs/training.md) / the devices' peak "
+              f"({next(r['peak'] for r in records if 'peak' in r)})."]
   if len(settings) < len(records):
     lines += ["", f"## Mean over seeds ({metric}; spread = max − min)", ""]
     lines += markdown_table(

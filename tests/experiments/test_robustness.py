@@ -408,7 +408,7 @@ def test_approximation_sweeps_are_checked_before_anything_is_measured(fields, me
 ])
 def test_benchmark_passes_and_repeats_are_checked_before_anything_runs(study, fields, message, tmp_path,
                                                                        monkeypatch):
-  module = importlib.import_module(f"experiments.{study}")
+  module = importlib.import_module(f"experiments.studies.{study}")
   for timed in (module, importlib.import_module("experiments.studies.speed")):
     monkeypatch.setattr(timed, "median_seconds", lambda *a, **k: pytest.fail("timed despite bad input"),
                         raising=False)
