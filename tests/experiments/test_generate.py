@@ -59,8 +59,10 @@ def test_decoding_gives_the_full_passes_next_token_distributions(case):
     logits, cache = generation.decode_step(model, variables, cache, tokens[:, t:t + 1])
     got.append(logits)
   np.testing.assert_allclose(jax.nn.softmax(jnp.concatenate(got, 1), -1), want, atol=2e-5)
-  sizes = lambda n: [x.shape for x in jax.tree.leaves(generation.empty_cache(generation.decoder(config, variables,
-                                                                                                  n), 2))]
+  def sizes(n):  # the cache's shapes for sequences of n tokens (traced, not compiled)
+    decoder = generation.decoder(config, variables, n)
+    return [x.shape for x in jax.tree.leaves(jax.eval_shape(decoder.init, jax.random.PRNGKey(0),
+                                                            jnp.zeros((2, 1), jnp.int32))["cache"])]
   if config.attention.type == "favor":  # the state does not grow with the length decoded
     assert sizes(L) == sizes(L // 2)
   else:  # the key-value cache has one key and value per position, of the key/value heads only
