@@ -49,12 +49,12 @@ LAYER = dict(num_heads=H, num_kv_heads=KV, num_features=M, causal=True, chunk_si
 def test_linen_decode_equals_full_pass_with_rotary_gqa_and_gate(window):
   x = _x()
   layer = flin.FavorAttention(**LAYER, window=window)
-  variables = layer.init(jax.random.PRNGKey(1), x)
+  variables = jax.jit(layer.init)(jax.random.PRNGKey(1), x)
   variables = {**variables, "params": _jiggle(variables["params"])}
   assert variables["params"]["key"]["kernel"].shape == (F, KV, F // H)
-  full = layer.apply(variables, x)
+  full = jax.jit(layer.apply)(variables, x)
   decoder = flin.FavorAttention(**LAYER, window=window, decode=True)
-  cache = decoder.init(jax.random.PRNGKey(1), x[:, :1])["cache"]
+  cache = jax.jit(decoder.init)(jax.random.PRNGKey(1), x[:, :1])["cache"]
   step = jax.jit(lambda v, x: decoder.apply(v, x, mutable=["cache"]))
   outs = []
   for lo, hi in [(0, PROMPT)] + [(t, t + 1) for t in range(PROMPT, L)]:
@@ -63,9 +63,8 @@ def test_linen_decode_equals_full_pass_with_rotary_gqa_and_gate(window):
     outs.append(out)
   assert int(cache["index"]) == L
   np.testing.assert_allclose(jnp.concatenate(outs, 1), full, rtol=1e-4, atol=1e-5)
-  stuck = jax.jit(lambda v, x: decoder.apply(v, x, mutable=["cache"]))  # a wrong position must show
-  cache_at_0 = {**cache, "index": jnp.zeros((), jnp.int32)}
-  wrong, _ = stuck({**variables, "cache": cache_at_0}, x[:, L - 1:])
+  cache_at_0 = {**cache, "index": jnp.zeros((), jnp.int32)}  # a wrong position must show
+  wrong, _ = step({**variables, "cache": cache_at_0}, x[:, L - 1:])
   assert not np.allclose(wrong, outs[-1], atol=1e-3)
 
 
@@ -75,10 +74,11 @@ def test_nnx_decode_equals_full_pass_with_rotary_gqa_and_gate():
                               decode=False, rngs=nnx.Rngs(1))
   nnx.update(layer, _jiggle(nnx.state(layer, nnx.Param)))
   assert layer.key.kernel[...].shape == (F, KV, F // H)
-  full = layer(x)
+  full = nnx.jit(lambda m, x: m(x))(layer, x)
   layer.init_cache(x.shape)
-  outs = [layer(x[:, :PROMPT], decode=True)]
-  outs += [layer(x[:, t:t + 1], decode=True) for t in range(PROMPT, L)]
+  step = nnx.jit(lambda m, x: m(x, decode=True))  # the decode state and its index update in place
+  outs = [step(layer, x[:, :PROMPT])]
+  outs += [step(layer, x[:, t:t + 1]) for t in range(PROMPT, L)]
   np.testing.assert_allclose(jnp.concatenate(outs, 1), full, rtol=1e-4, atol=1e-5)
   assert int(layer.decode_index[...]) == L
 
@@ -88,12 +88,13 @@ def test_gqa_equals_full_heads_with_repeated_key_value_maps():
   x = _x()
   plain = dict(num_heads=H, num_features=M, causal=True, chunk_size=4)
   gqa = flin.FavorAttention(**plain, num_kv_heads=KV)
-  variables = gqa.init(jax.random.PRNGKey(1), x)
+  variables = jax.jit(gqa.init)(jax.random.PRNGKey(1), x)
   variables = {**variables, "params": _jiggle(variables["params"])}
-  repeated = jax.tree.map(lambda a: jnp.repeat(a, H // KV, axis=-2 if a.ndim == 3 else -2),
+  repeated = jax.tree.map(lambda a: jnp.repeat(a, H // KV, axis=-2),  # kernel [F, KV, D], bias [KV, D]
                           {n: variables["params"][n] for n in ("key", "value")})
   full_heads = {**variables, "params": {**variables["params"], **repeated}}
-  np.testing.assert_allclose(gqa.apply(variables, x), flin.FavorAttention(**plain).apply(full_heads, x),
+  np.testing.assert_allclose(jax.jit(gqa.apply)(variables, x),
+                             jax.jit(flin.FavorAttention(**plain).apply)(full_heads, x),
                              rtol=1e-5, atol=1e-6)
   layer = fnnx.FavorAttention(H, F, num_features=M, causal=True, num_kv_heads=KV, decode=False, rngs=nnx.Rngs(2))
   assert layer.value.kernel[...].shape == (F, KV, F // H) and layer(x).shape == x.shape
