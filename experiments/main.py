@@ -57,6 +57,7 @@ STUDIES = {
     "backward_compat": "experiments.studies.backward_compat",
     "sequence_parallel": "experiments.studies.sequence_parallel",
     "showcase": "experiments.studies.showcase",
+    "decode": "experiments.studies.decode",
 }
 
 

@@ -155,6 +155,7 @@ def training_config(name: str, task: str, quick: bool) -> ml_collections.ConfigD
   config.model.d_model = 128  # residual width
   config.model.num_layers = 2  # pre-norm Transformer blocks
   config.model.num_heads = 4  # attention heads; head dim = d_model / num_heads
+  config.model.num_kv_heads = 0  # grouped-query attention: key/value heads, dividing num_heads (0 = num_heads)
   config.model.mlp_dim = 256  # hidden width of each block's GELU MLP
   config.model.positions = "rotary"  # "learned" (absolute embeddings), "rotary" (applied to q, k) or "none"
   config.model.short_conv = 0  # > 0: each block opens with a residual causal depthwise conv this wide (Based)

@@ -1,2 +1,3 @@
-"""The training stack: models, the train step, the loop, checkpointing, metrics, sharding, config checks, the
-sweep over variants and its figures. Imports ``experiments.tasks`` and ``experiments.configs``, never the studies."""
+"""The training stack: models, the train step, the loop, checkpointing, metrics, sharding, config checks,
+generation, the sweep over variants and its figures. Imports ``experiments.tasks`` and ``experiments.configs``,
+never the studies."""

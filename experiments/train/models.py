@@ -22,10 +22,10 @@ from jax.sharding import Mesh
 from jaxtyping import Float, Int
 
 from favor_jax import core
-from favor_jax.layers import gates
+from favor_jax.layers import gates, inputs
 from favor_jax.layers import linen as favor_linen
 from favor_jax.layers.projection import layer_projection
-from favor_jax.layers.settings import FavorSettings
+from favor_jax.layers.settings import FavorSettings, check_num_kv_heads
 
 ATTENTION_TYPES = ("softmax", "favor")
 # "learned": absolute embeddings (cannot run past max_len); "rotary": applied to q, k; "none": no positions
@@ -44,22 +44,28 @@ class AttentionSpec(NamedTuple):
   forget_gate: bool = False  # softmax: FoX's learned forget gate (FAVOR: in ``favor``)
   alibi: bool = False  # softmax: ALiBi's fixed gate (FAVOR: in ``favor``)
   packed: bool = False  # the model is given segment ids (packed documents)
+  num_kv_heads: int | None = None  # grouped-query attention's key/value heads (None: one per query head)
+  decode: bool = False  # token by token from a cache: FAVOR's constant-size state, softmax's key-value cache
+  cache_len: int = 0  # decode: the softmax key-value cache's length (the most tokens a sequence reaches)
 
 
-def rotary(x_BLHD: Float[Array, "B L H D"], base: float = 10000.0) -> Float[Array, "B L H D"]:
-  """Rotary position embedding (Su et al. 2021): rotates feature pairs (i, i + D/2) by angle t·base^(-2i/D)."""
+def rotary(x_BLHD: Float[Array, "B L H D"], base: float = 10000.0,
+           positions_L: Int[Array, " L"] | None = None) -> Float[Array, "B L H D"]:
+  """Rotary position embedding (Su et al. 2021): rotates feature pairs (i, i + D/2) by angle t·base^(-2i/D) at
+  position t, ``positions_L`` (None: 0..L-1; decoding: where the new tokens are)."""
   length, dim = x_BLHD.shape[-3], x_BLHD.shape[-1]
   half = dim // 2
   inv_freq_F = base ** (-jnp.arange(half, dtype=jnp.float32) / half)
-  angle_LF = jnp.arange(length, dtype=jnp.float32)[:, None] * inv_freq_F
+  t_L = jnp.arange(length) if positions_L is None else positions_L
+  angle_LF = t_L.astype(jnp.float32)[:, None] * inv_freq_F
   cos_L1F, sin_L1F = jnp.cos(angle_LF)[:, None, :], jnp.sin(angle_LF)[:, None, :]
   x1, x2 = x_BLHD[..., :half].astype(jnp.float32), x_BLHD[..., half:2 * half].astype(jnp.float32)
   rotated = jnp.concatenate([x1 * cos_L1F - x2 * sin_L1F, x1 * sin_L1F + x2 * cos_L1F, x_BLHD[..., 2 * half:]], -1)
   return rotated.astype(x_BLHD.dtype)
 
 
-def _rotary_qk(query, key):
-  return rotary(query), rotary(key)
+def _rotary_qk(query, key, positions=None):
+  return rotary(query, positions_L=positions), rotary(key, positions_L=positions)
 
 
 def _rotary_softmax(query, key, value, mask=None, dropout_rng=None, dropout_rate=0.0, broadcast_dropout=True,
@@ -71,7 +77,7 @@ def _rotary_softmax(query, key, value, mask=None, dropout_rng=None, dropout_rate
       force_fp32_for_softmax=force_fp32_for_softmax)
 
 
-def favor_settings(config, causal: bool, mesh: Mesh | None = None) -> FavorSettings:
+def favor_settings(config, causal: bool, mesh: Mesh | None = None, decode: bool = False) -> FavorSettings:
   """The settings of the config's FAVOR layers, checked once (errors name the config's ``attention.FIELD``).
 
   Args:
@@ -79,6 +85,7 @@ def favor_settings(config, causal: bool, mesh: Mesh | None = None) -> FavorSetti
     causal: whether the model is a causal LM (``tasks.is_causal``).
     mesh: the training mesh: with more than one device on "sequence" the layers split the sequence over it
       (and the batch over "data").
+    decode: the layers decode token by token from their constant-size state (generation).
 
   Returns:
     The layers' settings. A kernel without a random projection (Taylor, Hedgehog's learned map) gets neither
@@ -88,7 +95,7 @@ def favor_settings(config, causal: bool, mesh: Mesh | None = None) -> FavorSetti
   parallel = mesh is not None and mesh.shape.get("sequence", 1) > 1
   return FavorSettings.build(
       kernel=a.kernel, num_features=a.num_features, projection=a.projection, causal=causal,
-      chunk_size=a.chunk_size, window=a.window, qk_head_dim=a.qk_head_dim or None,
+      chunk_size=a.chunk_size, window=a.window, qk_head_dim=a.qk_head_dim or None, decode=decode,
       qk_transform=_rotary_qk if config.model.positions == "rotary" else None, mesh=mesh if parallel else None,
       sequence_axis="sequence" if parallel else None, batch_axis="data" if parallel else None,
       forget_gate=a.get("forget_gate", False), alibi=a.get("alibi", False), unused_projection="drop",
@@ -97,13 +104,22 @@ def favor_settings(config, causal: bool, mesh: Mesh | None = None) -> FavorSetti
 
 class SoftmaxAttention(nn.Module):
   """Exact causal softmax attention through ``core.softmax_attention``, with the FAVOR layers' forget gate,
-  ALiBi and segment ids: the Forgetting Transformer (``forget_gate``) and ALiBi as reference models. The
-  parameter tree is ``nn.MultiHeadDotProductAttention``'s (``query``, ``key``, ``value``, ``out``), plus
-  ``forget_gate`` (``layers.gates``: the FAVOR layers' parameterisation and init)."""
+  ALiBi, segment ids and grouped-query heads: the Forgetting Transformer (``forget_gate``) and ALiBi as
+  reference models. The parameter tree is ``nn.MultiHeadDotProductAttention``'s (``query``, ``key``,
+  ``value``, ``out``), plus ``forget_gate`` (``layers.gates``: the FAVOR layers' parameterisation and init).
+
+  ``decode``: a key-value cache of ``cache_len`` positions per sequence (``cache`` collection: ``keys``,
+  ``values`` [B, cache_len, Hkv, D], rotated keys; ``index``, the tokens cached). A call of l > 1 tokens is a
+  prompt into the empty cache (the causal pass over it); one token attends to every cached key (Flax's
+  ``dot_product_attention``: the reference's input checks would cost more than the step). Ungated only.
+  """
   num_heads: int
   rotary: bool
   forget_gate: bool = False
   alibi: bool = False
+  num_kv_heads: int | None = None
+  decode: bool = False
+  cache_len: int = 0
   dtype: jnp.dtype = jnp.float32  # compute dtype
   param_dtype: jnp.dtype = jnp.float32
 
@@ -112,52 +128,101 @@ class SoftmaxAttention(nn.Module):
     del mask, deterministic  # causal (no padding in an LM), no dropout
     d_model = x_BLD.shape[-1]
     kinds = dict(dtype=self.dtype, param_dtype=self.param_dtype)
-    dense = lambda name: nn.DenseGeneral((self.num_heads, d_model // self.num_heads), name=name, **kinds)
-    q_BLHD, k_BLHD, v_BLHD = dense("query")(x_BLD), dense("key")(x_BLD), dense("value")(x_BLD)
+    kv_heads = self.num_kv_heads or self.num_heads
+    dense = lambda name, heads: nn.DenseGeneral((heads, d_model // self.num_heads), name=name, **kinds)
+    q_BLHD, k_BLKD, v_BLKD = (dense("query", self.num_heads)(x_BLD), dense("key", kv_heads)(x_BLD),
+                              dense("value", kv_heads)(x_BLD))
+    if self.decode:
+      if self.forget_gate or self.alibi or segment_ids is not None:
+        raise ValueError("the softmax key-value cache decodes ungated, unpacked models only (forget_gate, alibi "
+                         "and segment_ids are not cached)")
+      out_BLHD = self._cached(q_BLHD, k_BLKD, v_BLKD)
+      return nn.DenseGeneral(d_model, axis=(-2, -1), name="out", **kinds)(out_BLHD)
     if self.rotary:
-      q_BLHD, k_BLHD = rotary(q_BLHD), rotary(k_BLHD)
+      q_BLHD, k_BLKD = rotary(q_BLHD), rotary(k_BLKD)
     logit_BLH = None
     if self.forget_gate:
       kernel_init, bias_init = gates.forget_gate_init()
       logit_BLH = nn.DenseGeneral(self.num_heads, kernel_init=kernel_init, bias_init=bias_init, dtype=jnp.float32,
                                   param_dtype=self.param_dtype, name="forget_gate")(x_BLD)
     log_gate = gates.layer_log_gate(logit_BLH, self.alibi, q_BLHD.shape[:-1])
+    k_BLHD, v_BLHD = inputs.repeat_kv_heads(k_BLKD, v_BLKD, self.num_heads)
     out_BLHD = core.softmax_attention(q_BLHD, k_BLHD, v_BLHD, causal=True,
                                       **gates.gate_kwargs(log_gate, segment_ids))
     return nn.DenseGeneral(d_model, axis=(-2, -1), name="out", **kinds)(out_BLHD)
 
+  def _cached(self, q_BlHD, k_BlKD, v_BlKD):
+    """Decoding: the new tokens' keys and values written at ``index``, the queries read against the cache."""
+    batch, new = q_BlHD.shape[0], q_BlHD.shape[1]
+    shape = (batch, self.cache_len) + k_BlKD.shape[2:]
+    keys = self.variable("cache", "keys", jnp.zeros, shape, k_BlKD.dtype)
+    values = self.variable("cache", "values", jnp.zeros, shape, v_BlKD.dtype)
+    index = self.variable("cache", "index", lambda: jnp.zeros((), jnp.int32))
+    t_l = index.value + jnp.arange(new, dtype=jnp.int32)
+    if self.rotary:
+      q_BlHD, k_BlKD = rotary(q_BlHD, positions_L=t_l), rotary(k_BlKD, positions_L=t_l)
+    if self.is_initializing():
+      return core.softmax_attention(q_BlHD, *inputs.repeat_kv_heads(k_BlKD, v_BlKD, self.num_heads), causal=True)
+    keys.value = jax.lax.dynamic_update_slice(keys.value, k_BlKD, (0, index.value, 0, 0))
+    values.value = jax.lax.dynamic_update_slice(values.value, v_BlKD, (0, index.value, 0, 0))
+    index.value = index.value + new
+    if new > 1:  # a prompt into the empty cache: the causal pass over it
+      return core.softmax_attention(q_BlHD, *inputs.repeat_kv_heads(k_BlKD, v_BlKD, self.num_heads), causal=True)
+    seen_11C = (jnp.arange(self.cache_len) < index.value)[None, None, :]  # Flax's [heads, q, keys] mask
+    k_BCHD, v_BCHD = inputs.repeat_kv_heads(keys.value, values.value, self.num_heads)
+    return nn.dot_product_attention(q_BlHD, k_BCHD, v_BCHD, mask=seen_11C)  # Flax's, lean: one query per step
+
+
+def flax_softmax(attention: AttentionSpec) -> bool:
+  """Whether the softmax layer is Flax's own (needs an explicit causal mask): not gated, packed, grouped-query
+  or decoding, which :class:`SoftmaxAttention` does."""
+  return attention.type == "softmax" and not (attention.forget_gate or attention.alibi or attention.packed
+                                              or attention.decode or attention.num_kv_heads)
+
 
 def attention_layer(attention: AttentionSpec, num_heads: int, positions: str, name: str,
                     dtype=jnp.float32, param_dtype=jnp.float32) -> nn.Module:
-  """The attention module named by ``attention.type`` ("softmax" or "favor"); gated or packed softmax:
-  :class:`SoftmaxAttention`. ``dtype`` is the compute dtype of its projections (attention inside follows the
-  library's precision policy), ``param_dtype`` its parameters'."""
+  """The attention module named by ``attention.type`` ("softmax" or "favor"); gated, packed, grouped-query or
+  decoding softmax: :class:`SoftmaxAttention` (the same parameters as Flax's). ``dtype`` is the compute dtype
+  of its projections (attention inside follows the library's precision policy), ``param_dtype`` its
+  parameters'."""
   kinds = dict(dtype=dtype, param_dtype=param_dtype)
   if attention.type == "softmax":
     rope = positions == "rotary"
-    if attention.forget_gate or attention.alibi or attention.packed:
-      return SoftmaxAttention(num_heads, rope, attention.forget_gate, attention.alibi, name=name, **kinds)
+    if not flax_softmax(attention):
+      return SoftmaxAttention(num_heads, rope, attention.forget_gate, attention.alibi, attention.num_kv_heads,
+                              attention.decode, attention.cache_len, name=name, **kinds)
     return nn.MultiHeadDotProductAttention(
         num_heads=num_heads, attention_fn=_rotary_softmax if rope else nn.dot_product_attention, name=name,
         **kinds)
   fields = {f.name: getattr(attention.favor, f.name) for f in dataclasses.fields(attention.favor)}
-  return favor_linen.FavorAttention(num_heads=num_heads, name=name, **fields, **kinds)
+  return favor_linen.FavorAttention(num_heads=num_heads, num_kv_heads=attention.num_kv_heads, name=name, **fields,
+                                    **kinds)
 
 
 class ShortConv(nn.Module):
   """Causal depthwise convolution over the last ``width`` positions, per channel (Based's and Zoology's short
   convolution; H3's shift): position t mixes tokens t-width+1..t, so the residual stream carries the
   previous tokens' identity, which recall's induction step needs and a linear-attention layer cannot
-  single out. Decoding keeps the last width-1 inputs."""
+  single out. Decoding keeps the last width-1 inputs (``cache/inputs``)."""
   width: int
+  decode: bool = False
   dtype: jnp.dtype = jnp.float32
   param_dtype: jnp.dtype = jnp.float32
 
   @nn.compact
   def __call__(self, x_BLD):
-    d_model = x_BLD.shape[-1]
-    return nn.Conv(d_model, kernel_size=(self.width,), padding=((self.width - 1, 0),), feature_group_count=d_model,
-                   dtype=self.dtype, param_dtype=self.param_dtype, name="conv")(x_BLD)
+    d_model, past = x_BLD.shape[-1], self.width - 1
+    conv = lambda padding: nn.Conv(d_model, kernel_size=(self.width,), padding=padding,
+                                   feature_group_count=d_model, dtype=self.dtype, param_dtype=self.param_dtype,
+                                   name="conv")
+    if not self.decode:
+      return conv(((past, 0),))(x_BLD)
+    cached = self.variable("cache", "inputs", jnp.zeros, x_BLD.shape[:1] + (past, d_model), x_BLD.dtype)
+    x_BPD = jnp.concatenate([cached.value.astype(x_BLD.dtype), x_BLD], axis=1)  # the inputs before, then these
+    if not self.is_initializing():
+      cached.value = x_BPD[:, x_BPD.shape[1] - past:]
+    return conv("VALID")(x_BPD)
 
 
 class Block(nn.Module):
@@ -174,7 +239,8 @@ class Block(nn.Module):
     kinds = dict(dtype=self.dtype, param_dtype=self.param_dtype)
     norm = lambda name: nn.LayerNorm(name=name, **kinds)
     if self.short_conv:
-      x_BLD = x_BLD + ShortConv(self.short_conv, name="short_conv", **kinds)(norm("ln_conv")(x_BLD))
+      conv = ShortConv(self.short_conv, self.attention.decode, name="short_conv", **kinds)
+      x_BLD = x_BLD + conv(norm("ln_conv")(x_BLD))
     attend = attention_layer(self.attention, self.num_heads, self.positions, "attention", **kinds)
     packed = {} if segment_ids is None else {"segment_ids": segment_ids}
     x_BLD = x_BLD + attend(norm("ln_attention")(x_BLD), mask=mask, deterministic=not train, **packed)
@@ -191,6 +257,10 @@ class Transformer(nn.Module):
   boundary (positions must be relative: rotary or none); None: one document per row. ``dtype``: the compute
   dtype (parameters in ``param_dtype``); the logits are float32 whatever it is. ``remat="block"``: each block's
   activations are recomputed in the backward pass instead of kept (memory for compute).
+
+  ``attention.decode`` (a causal LM): each call continues the sequences of the ``cache`` collection (made by
+  ``init`` on one token) by its tokens, giving their logits: FAVOR layers through their constant-size state,
+  softmax through its key-value cache, learned positions from ``cache/next_position``.
   """
   vocab_size: int
   num_classes: int
@@ -216,12 +286,16 @@ class Transformer(nn.Module):
     kinds = dict(dtype=self.dtype, param_dtype=self.param_dtype)
     x_BLD = nn.Embed(self.vocab_size, self.d_model, name="embed", **kinds)(tokens_BL)
     if self.positions == "learned":
-      x_BLD = x_BLD + nn.Embed(self.max_len, self.d_model, name="position", **kinds)(jnp.arange(length))
+      t_L = jnp.arange(length)
+      if self.attention.decode:
+        index = self.variable("cache", "next_position", lambda: jnp.zeros((), jnp.int32))
+        t_L = t_L + index.value
+        if not self.is_initializing():
+          index.value = index.value + length
+      x_BLD = x_BLD + nn.Embed(self.max_len, self.d_model, name="position", **kinds)(t_L)
     pad_BL = tokens_BL != 0
     if causal:  # LM: no padding; Flax's softmax needs an explicit causal mask, FAVOR and SoftmaxAttention not
-      flax_softmax = self.attention.type == "softmax" and not (
-          self.attention.forget_gate or self.attention.alibi or self.attention.packed)
-      mask = nn.make_causal_mask(tokens_BL) if flax_softmax else None
+      mask = nn.make_causal_mask(tokens_BL) if flax_softmax(self.attention) else None
     else:  # classifier: remove padding keys for every query (the only mask FAVOR can honour)
       mask = pad_BL[:, None, None, :]
     # static_argnums count the module: (self, x, mask, train, segment_ids) -> train is static
@@ -240,25 +314,36 @@ class Transformer(nn.Module):
     return head(self.num_classes)(pooled_BD)
 
 
-def make_model(config, vocab_size: int, num_classes: int, max_len: int, mesh: Mesh | None = None) -> Transformer:
+def make_model(config, vocab_size: int, num_classes: int, max_len: int, mesh: Mesh | None = None,
+               decode: bool = False, cache_len: int = 0) -> Transformer:
   """The config's model; FAVOR layers run sequence-parallel over ``mesh``'s "sequence" axis if it has > 1 device.
   Softmax reads ``attention.forget_gate`` and ``attention.alibi`` too; ``data.pack`` (if the task has it) builds
-  a model that takes segment ids."""
+  a model that takes segment ids. ``model.num_kv_heads`` (0: one per query head) groups the key/value heads.
+  ``decode`` (a causal LM): the model that decodes token by token (:class:`Transformer`), a softmax key-value
+  cache of ``cache_len`` positions."""
   m, a = config.model, config.attention
-  favor = favor_settings(config, num_classes == 0, mesh) if a.type == "favor" else None
+  kv_heads = m.get("num_kv_heads", 0) or None
+  try:
+    check_num_kv_heads(kv_heads, m.num_heads)
+  except ValueError as e:
+    raise ValueError(f"model.{e}") from None
+  if decode and num_classes:
+    raise ValueError("decode=True needs a causal language model (num_classes 0), got a classifier")
+  favor = favor_settings(config, num_classes == 0, mesh, decode) if a.type == "favor" else None
   spec = AttentionSpec(a.type, favor, forget_gate=a.get("forget_gate", False), alibi=a.get("alibi", False),
-                       packed=bool(config.data.get("pack", False)))
+                       packed=bool(config.data.get("pack", False)), num_kv_heads=kv_heads, decode=decode,
+                       cache_len=cache_len)
   return Transformer(vocab_size=vocab_size, num_classes=num_classes, max_len=max_len, d_model=m.d_model,
                      num_layers=m.num_layers, num_heads=m.num_heads, mlp_dim=m.mlp_dim,
                      positions=m.positions, short_conv=m.short_conv, attention=spec,
                      dtype=jnp.dtype(m.get("dtype", "float32")), param_dtype=jnp.dtype(m.get("param_dtype", "float32")),
-                     remat=m.get("remat", "none"))
+                     remat="none" if decode else m.get("remat", "none"))  # decoding has no backward pass
 
 
 def decode_state_size(config, seq_len: int) -> int:
   """Numbers one attention layer keeps per sequence to decode the next token after ``seq_len`` tokens.
 
-  Softmax: its key-value cache, L·H·2·D (grows with L). FAVOR: the arrays of
+  Softmax: its key-value cache, L·Hkv·2·D (grows with L; Hkv = ``model.num_kv_heads`` or H). FAVOR: the arrays of
   ``core.favor_decode_init`` for the config's kernel, features and window (the
   recurrent state F·(Dv+1) and running maximum F per head; with a window also
   its W keys and values), read off their shapes, independent of L. A short convolution of width K adds the
@@ -267,8 +352,8 @@ def decode_state_size(config, seq_len: int) -> int:
   m, a = config.model, config.attention
   heads, head_dim = m.num_heads, m.d_model // m.num_heads
   conv = max(m.short_conv - 1, 0) * m.d_model
-  if a.type == "softmax":
-    return conv + seq_len * heads * 2 * head_dim
+  if a.type == "softmax":  # grouped-query attention caches its key/value heads only
+    return conv + seq_len * (m.get("num_kv_heads", 0) or heads) * 2 * head_dim
   qk_dim = a.qk_head_dim or head_dim
   settings = dataclasses.replace(favor_settings(config, causal=True), per_head_projection=False)
 

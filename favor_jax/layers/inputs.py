@@ -80,13 +80,14 @@ def check_dropout(dropout_rate, deterministic) -> None:
         "deterministic=True) and put dropout on the attention output instead.")
 
 
-def transform_qk(qk_transform, query, key):
-  """``qk_transform(query, key)``, checked: a pair of floating arrays with the shapes it was given, none of a
+def transform_qk(qk_transform, query, key, positions=None):
+  """``qk_transform(query, key)`` (decoding: ``qk_transform(query, key, positions=positions)``, [l] int32 the
+  new tokens' absolute indices), checked: a pair of floating arrays with the shapes it was given, none of a
   narrower dtype (rounding them silently would change the output); the pair unchanged when ``qk_transform``
   is None."""
   if qk_transform is None:
     return query, key
-  out = qk_transform(query, key)
+  out = qk_transform(query, key) if positions is None else qk_transform(query, key, positions=positions)
   if not isinstance(out, (tuple, list)) or len(out) != 2:
     got = f"{type(out).__name__} of {len(out)}" if isinstance(out, (tuple, list)) else type(out).__name__
     raise TypeError(f"qk_transform must return a pair (query, key), got {got}")
@@ -102,3 +103,12 @@ def transform_qk(qk_transform, query, key):
       raise TypeError(f"qk_transform must not round what it is given to a narrower dtype; its {name} is "
                       f"{jnp.dtype(dtype).name}, given {jnp.dtype(given.dtype).name}")
   return tuple(out)
+
+
+def repeat_kv_heads(key, value, num_heads: int):
+  """Grouped-query attention's keys and values [..., L, Hkv, D] repeated to the queries' ``num_heads``: query
+  head h reads key/value head ``h // (num_heads // Hkv)`` (Flax NNX's grouping); unchanged when Hkv == H."""
+  repeats = num_heads // key.shape[-2]
+  if repeats == 1:
+    return key, value
+  return jnp.repeat(key, repeats, axis=-2), jnp.repeat(value, repeats, axis=-2)

@@ -3,7 +3,7 @@
 Same constructor arguments and parameter tree as
 ``flax.linen.MultiHeadDotProductAttention`` (a softmax model's ``params`` load
 unchanged), plus ``num_features``, ``kernel``, ``projection``, ``causal``,
-``per_head_projection``, ``window`` and ``qk_head_dim``.
+``per_head_projection``, ``window``, ``qk_head_dim`` and ``num_kv_heads``.
 
 Variables besides ``params``:
 
@@ -16,7 +16,8 @@ Variables besides ``params``:
 - ``params/feature_map`` (learned kernels, ``hedgehog``): the trained map W,
   [H, D, D] (or [D, D] with ``per_head_projection=False``), the identity at init.
 - ``cache`` (``decode=True``): the decode state's fields (``mu``, ``s``; with a
-  ``window``, those of ``core.HybridState``).
+  ``window``, those of ``core.HybridState``), per query head; with a ``qk_transform``, also ``index`` (int32,
+  the tokens decoded so far: the next token's position).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from favor_jax import core
 from favor_jax.layers import gates, inputs, statistic
 from favor_jax.layers.attend import attend
 from favor_jax.layers.projection import layer_projection, redraw_projection
-from favor_jax.layers.settings import PROJECTIONS, FavorSettings
+from favor_jax.layers.settings import PROJECTIONS, FavorSettings, check_num_kv_heads
 
 __all__ = ["FavorAttention", "redraw"]
 
@@ -126,7 +127,13 @@ class FavorAttention(nn.MultiHeadDotProductAttention):
       (default ``layers.RHO_MOMENTUM``); updated when ``deterministic=False`` and the ``favor`` collection
       is mutable, and only *after* the step that used the old value, so no output depends on later tokens.
     qk_transform: ``(query, key) -> (query, key)`` applied to the [..., L, H, D] projections (after
-      ``normalize_qk``) before the features, e.g. rotary embeddings; not with decode.
+      ``normalize_qk``) before the features, e.g. rotary embeddings. With ``decode=True`` it must also take
+      ``positions`` ([l] int32, the new tokens' absolute indices, from the cache's ``index``); the full pass
+      calls it without, for positions 0..L-1.
+    num_kv_heads: grouped-query attention: the key and value heads (None: ``num_heads``), dividing
+      ``num_heads``; query head h reads key/value head ``h // (num_heads // num_kv_heads)``. The ``key`` and
+      ``value`` kernels are [features, num_kv_heads, head_dim]; the attention (and a decode state) runs per
+      query head.
     mesh: a ``jax.sharding.Mesh`` for sequence-parallel attention
       (``parallel.sequence_parallel_attention``); not with decode or a window.
     sequence_axis: the mesh axis the sequence is split over (with ``mesh``).
@@ -160,6 +167,7 @@ class FavorAttention(nn.MultiHeadDotProductAttention):
   batch_axis: str | None = None
   forget_gate: bool = False
   alibi: bool = False
+  num_kv_heads: int | None = None
 
   @functools.cached_property
   def settings(self) -> FavorSettings:
@@ -169,6 +177,7 @@ class FavorAttention(nn.MultiHeadDotProductAttention):
       raise ValueError("FavorAttention computes its own attention; do not pass attention_fn")
     if self.qk_attn_weights_einsum_cls is not None or self.attn_weights_value_einsum_cls is not None:
       raise ValueError("attention-weight einsum classes do not apply to FAVOR attention")
+    check_num_kv_heads(self.num_kv_heads, self.num_heads)
     return FavorSettings.build(
         kernel=self.kernel, num_features=self.num_features, projection=self.projection,
         per_head_projection=self.per_head_projection, causal=self.causal, causal_method=self.causal_method,
@@ -203,7 +212,7 @@ class FavorAttention(nn.MultiHeadDotProductAttention):
 
     Raises:
       ValueError: for ``sow_weights``, a mask that is not key padding, ``qkv_features`` not divisible by
-        ``num_heads``, attention dropout while training, a stored projection or feature map of the wrong
+        ``num_heads``, ``num_kv_heads`` not dividing ``num_heads``, attention dropout while training, a stored projection or feature map of the wrong
         shape, a decode call without (or with the wrong kind of) ``cache``, or invalid settings.
       TypeError: for inputs or settings of the wrong type (as the input and settings checks raise).
     """
@@ -218,17 +227,20 @@ class FavorAttention(nn.MultiHeadDotProductAttention):
       raise ValueError(f"qkv_features {qkv_features} must be divisible by num_heads {self.num_heads}")
     head_dim = qkv_features // self.num_heads
     qk_dim = self.qk_head_dim or head_dim
-    dense = lambda name, dim: nn.DenseGeneral(
-        axis=-1, dtype=self.dtype, param_dtype=self.param_dtype, features=(self.num_heads, dim),
+    kv_heads = self.num_kv_heads or self.num_heads
+    dense = lambda name, dim, heads=self.num_heads: nn.DenseGeneral(
+        axis=-1, dtype=self.dtype, param_dtype=self.param_dtype, features=(heads, dim),
         kernel_init=self.kernel_init, bias_init=self.bias_init, use_bias=self.use_bias,
         precision=self.precision, dot_general=self.qkv_dot_general,
         dot_general_cls=self.qkv_dot_general_cls, name=name)
-    query, key = dense("query", qk_dim)(inputs_q), dense("key", qk_dim)(inputs_k)
-    value = dense("value", head_dim)(inputs_v)
+    query, key = dense("query", qk_dim)(inputs_q), dense("key", qk_dim, kv_heads)(inputs_k)
+    value = dense("value", head_dim, kv_heads)(inputs_v)
     if self.normalize_qk:
       ln = lambda name: nn.LayerNorm(name=name, use_bias=False, dtype=self.dtype, param_dtype=self.param_dtype)
       query, key = ln("query_ln")(query), ln("key_ln")(key)
-    query, key = inputs.transform_qk(self.qk_transform, query, key)
+    positions = self._positions(query.shape[-3]) if self.decode and self.qk_transform is not None else None
+    query, key = inputs.transform_qk(self.qk_transform, query, key, positions)
+    key, value = inputs.repeat_kv_heads(key, value, self.num_heads)
     projection = self._projection(settings, qk_dim)
     logit = None
     if settings.forget_gate:
@@ -293,6 +305,18 @@ class FavorAttention(nn.MultiHeadDotProductAttention):
       stat.value = statistic.updated_statistic(self.kernel, used, query, key, key_mask, settings.rho_momentum,
                                                query_mask, settings.precision)
     return used
+
+  def _positions(self, length):
+    """Decoding with a ``qk_transform``: the new tokens' positions [length] from ``cache/index`` (then moved
+    on by ``length``; at init: 0..length-1, the index left at 0)."""
+    if not self.is_initializing() and not self.has_variable("cache", "index"):
+      raise ValueError("decode=True with a qk_transform needs the decode position: pass the 'cache' collection "
+                       "from model.init(...) of this model (decode=True; it holds 'index'), and mutable=['cache']")
+    index = self.variable("cache", "index", lambda: jnp.zeros((), jnp.int32))
+    positions = index.value + jnp.arange(length, dtype=jnp.int32)
+    if not self.is_initializing():
+      index.value = index.value + length
+    return positions
 
   def _decode(self, settings, query, key, value, projection, key_mask, rho, log_gate, segment_ids):
     empty = lambda: core.favor_decode_init(query[..., :1, :, :], value[..., :1, :, :], projection,

@@ -2,7 +2,8 @@
 
 Subclasses Flax's module, so constructor arguments and parameter names are
 Flax's own; adds ``num_features``, ``kernel``, ``projection``,
-``per_head_projection``, ``window``, ``qk_head_dim``, ``causal``, ``qk_transform`` and the mesh; its call
+``per_head_projection``, ``window``, ``qk_head_dim``, ``causal``, ``qk_transform`` and the mesh (and takes Flax's
+``num_kv_heads``, grouped-query attention); its call
 adds ``query_mask`` [batch..., Lq] (False: a padded query, left out of FAVOR++'s and FAVOR#'s statistic;
 self-attention: the key padding of ``mask``; give it in padded cross-attention).
 A random projection is a :class:`FavorProjection` variable (not an
@@ -26,7 +27,7 @@ from favor_jax import core
 from favor_jax.layers import gates, inputs, statistic
 from favor_jax.layers.attend import attend
 from favor_jax.layers.projection import layer_projection, redraw_projection
-from favor_jax.layers.settings import FavorSettings
+from favor_jax.layers.settings import FavorSettings, check_num_kv_heads
 
 __all__ = ["FavorAttention", "FavorProjection", "FavorStats", "redraw"]
 
@@ -115,7 +116,9 @@ class FavorAttention(nnx.MultiHeadAttention):
     sequence_axis: the mesh axis the sequence is split over (with ``mesh``).
     batch_axis: an optional mesh axis the batch is split over.
     qk_transform: ``(query, key) -> (query, key)`` applied to the [..., L, H, D] projections (after
-      ``normalize_qk``) before the features, e.g. rotary embeddings; not with decode.
+      ``normalize_qk``) before the features, e.g. rotary embeddings. To decode it must also take
+      ``positions`` ([l] int32, the new tokens' absolute indices, counted by the cache); the full pass calls
+      it without, for positions 0..L-1.
     forget_gate: causal only: a learned per-head gate f_l = σ(x_l·w_h + b_h) from the keys' input (FoX),
       the ``nnx.Linear`` ``forget_gate`` (weight zero, bias ``layers.gates.FORGET_GATE_BIAS`` at init).
     alibi: causal only: ALiBi's fixed gate log f = −m_h (``core.alibi_slopes``); with ``forget_gate``, the
@@ -123,10 +126,13 @@ class FavorAttention(nnx.MultiHeadAttention):
     rngs: ``nnx.Rngs`` for the parameters and the projection's draw.
     **flax_kwargs: the other arguments of ``nnx.MultiHeadAttention`` (``decode``, ``dropout_rate``,
       ``normalize_qk``, initialisers, dtypes, ``precision`` (of every dot: the projections and the attention
-      core, as ``core.favor_attention``'s), ...), but ``attention_fn``.
+      core, as ``core.favor_attention``'s), ``num_kv_heads``, ...), but ``attention_fn``. ``num_kv_heads``
+      (grouped-query attention) must divide ``num_heads``: query head h reads key/value head
+      ``h // (num_heads // num_kv_heads)``, as in Flax; the attention (and a decode state) runs per query head.
 
   Raises:
-    ValueError: for ``attention_fn``, ``num_kv_heads`` ≠ ``num_heads``, or an invalid setting (named).
+    ValueError: for ``attention_fn``, a ``num_kv_heads`` that does not divide ``num_heads``, or an invalid
+      setting (named).
     TypeError: for a setting of the wrong type (e.g. a non-callable ``qk_transform``, a non-bool ``causal``).
 
   References:
@@ -145,9 +151,7 @@ class FavorAttention(nnx.MultiHeadAttention):
                forget_gate: bool = False, alibi: bool = False, rngs: nnx.Rngs, **flax_kwargs):
     if "attention_fn" in flax_kwargs:
       raise ValueError("FavorAttention computes its own attention; do not pass attention_fn")
-    if flax_kwargs.get("num_kv_heads") not in (None, num_heads):
-      raise ValueError(f"FavorAttention needs num_kv_heads == num_heads ({num_heads}), "
-                       f"got {flax_kwargs['num_kv_heads']}")
+    check_num_kv_heads(flax_kwargs.get("num_kv_heads"), num_heads)
     settings = FavorSettings.build(
         kernel=kernel, num_features=num_features, projection=projection, per_head_projection=per_head_projection,
         causal=causal, causal_method=causal_method, chunk_size=chunk_size, window=window, qk_head_dim=qk_head_dim,
@@ -176,6 +180,7 @@ class FavorAttention(nnx.MultiHeadAttention):
     self.statistic = (FavorStats(statistic.initial_statistic(kernel, num_heads, self.qk_head_dim))
                       if settings.keeps_statistic else nnx.data(None))
     self.decode_state = nnx.data(None)
+    self.decode_index = nnx.data(None)  # with a qk_transform: the next decoded token's position (init_cache)
     kernel_init, bias_init = gates.forget_gate_init(self.param_dtype)
     self.forget_gate = (nnx.Linear(self.in_kv_features, num_heads, kernel_init=kernel_init, bias_init=bias_init,
                                    param_dtype=self.param_dtype, precision=self.precision, rngs=rngs)
@@ -183,14 +188,14 @@ class FavorAttention(nnx.MultiHeadAttention):
 
   def _rebuild_query_key(self, flax_kwargs, rngs) -> None:
     """Query and key maps (and their LayerNorms) to ``qk_head_dim`` per head instead of the value's."""
-    linear = lambda in_features: nnx.LinearGeneral(
-        in_features, (self.num_heads, self.qk_head_dim), dtype=self.dtype, param_dtype=self.param_dtype,
+    linear = lambda in_features, heads=self.num_heads: nnx.LinearGeneral(
+        in_features, (heads, self.qk_head_dim), dtype=self.dtype, param_dtype=self.param_dtype,
         kernel_init=flax_kwargs.get("kernel_init", default_kernel_init),
         bias_init=flax_kwargs.get("bias_init", nnx.initializers.zeros_init()), use_bias=self.use_bias,
         precision=self.precision, promote_dtype=self.qkv_promote_dtype, dot_general=self.qkv_dot_general,
         dot_general_cls=self.qkv_dot_general_cls, rngs=rngs,
         **{k: flax_kwargs[k] for k in ("kernel_metadata", "bias_metadata") if k in flax_kwargs})
-    self.query, self.key = linear(self.in_features), linear(self.in_kv_features)
+    self.query, self.key = linear(self.in_features), linear(self.in_kv_features, self.num_kv_heads)
     if self.normalize_qk:
       ln = lambda meta: nnx.LayerNorm(self.qk_head_dim, use_bias=False, dtype=self.dtype,
                                       param_dtype=self.param_dtype, promote_dtype=self.ln_promote_dtype,
@@ -254,6 +259,7 @@ class FavorAttention(nnx.MultiHeadAttention):
     v = jnp.zeros(batch + (1, self.num_heads, self.head_dim), dtype)
     state = core.favor_decode_init(q, v, self._projection(), kernel=self.kernel, window=self.window)
     self.decode_state = nnx.Cache(state)
+    self.decode_index = nnx.Cache(jnp.zeros((), jnp.int32)) if self.qk_transform is not None else nnx.data(None)
 
   def clear_cache(self) -> None:
     """Drops the decode state (after which :meth:`redraw` is allowed).
@@ -262,6 +268,7 @@ class FavorAttention(nnx.MultiHeadAttention):
       None.
     """
     self.decode_state = nnx.data(None)
+    self.decode_index = nnx.data(None)
 
   def __call__(self, inputs_q, inputs_k=None, inputs_v=None, *, mask=None, deterministic=None,
                rngs=None, sow_weights=False, decode=None, is_causal=False, out_sharding=None, qkv_sharding=None,
@@ -311,9 +318,17 @@ class FavorAttention(nnx.MultiHeadAttention):
     if self.normalize_qk:
       query, key = self.query_ln(query), self.key_ln(key)
     decode = self.decode if decode is None else decode
+    positions = None
     if decode:
       self.settings.check_decode_at_call()  # decode may be asked for at call time
-    query, key = inputs.transform_qk(self.qk_transform, query, key)
+      if self.decode_state is None:
+        raise ValueError("decode=True needs the recurrent state: call init_cache(input_shape) first")
+      if self.decode_index is not None:  # with a qk_transform: the new tokens' positions, counted on
+        index = self.decode_index.get_value()
+        positions = index + jnp.arange(query.shape[-3], dtype=jnp.int32)
+        self.decode_index.set_value(index + query.shape[-3])
+    query, key = inputs.transform_qk(self.qk_transform, query, key, positions)
+    key, value = inputs.repeat_kv_heads(key, value, self.num_heads)
 
     deterministic = inputs.resolve_deterministic(self.dropout_rate, self.deterministic, deterministic)
     key_mask, query_mask = inputs.padding_masks(mask, inputs_q, inputs_k, key, query_mask, query)

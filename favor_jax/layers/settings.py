@@ -8,6 +8,7 @@ them again per call (the core functions check their own arguments at their publi
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import numbers
 from collections.abc import Callable
 from typing import Any
@@ -119,11 +120,25 @@ def check_sizes(window, chunk_size, qk_head_dim, prefix: str = "") -> None:
   core.checks.check_positive_int(prefix + "qk_head_dim", qk_head_dim, optional=True)
 
 
+def takes_positions(qk_transform) -> bool:
+  """Whether ``qk_transform`` takes a ``positions`` keyword (or ``**kwargs``): decoding passes it the tokens'
+  absolute positions, [l] int32."""
+  try:
+    params = inspect.signature(qk_transform).parameters.values()
+  except (TypeError, ValueError):  # a callable without an inspectable signature
+    return False
+  return any(p.name == "positions" and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) or p.kind == p.VAR_KEYWORD
+             for p in params)
+
+
 def check_decode(decode, *, qk_transform, sequence_axis) -> None:
-  """What decoding (token by token, from the state of the tokens before) cannot do with."""
-  if decode and qk_transform is not None:
-    raise ValueError("qk_transform with decode=True is not supported: the transform does not see "
-                     "the positions of decoded tokens")
+  """What decoding (token by token, from the state of the tokens before) cannot do with: a ``qk_transform``
+  that cannot be told where the decoded tokens are, sequence parallelism."""
+  if decode and qk_transform is not None and not takes_positions(qk_transform):
+    raise ValueError("qk_transform with decode=True must take the tokens' positions: decoding calls "
+                     "qk_transform(query, key, positions=...) with positions [l] int32, the absolute index of each "
+                     "new token (a full pass is positions 0..L-1); a transform of (query, key) alone cannot see "
+                     "where a decoded token is")
   if decode and sequence_axis is not None:
     raise ValueError("decode=True is token by token; it cannot be sequence-parallel (drop sequence_axis)")
 
@@ -141,6 +156,19 @@ def check_sequence_parallel(mesh, sequence_axis, *, window, batch_axis=None) -> 
   if window:
     raise ValueError(f"window={window}: hybrid attention is not sequence-parallel (drop sequence_axis "
                      "or use window=0)")
+
+
+def check_num_kv_heads(num_kv_heads, num_heads) -> int:
+  """The key/value heads of grouped-query attention: None (``num_heads``) or a positive int dividing
+  ``num_heads`` (query head h reads key/value head ``h // (num_heads // num_kv_heads)``, as Flax's NNX
+  attention groups them). Returns the count."""
+  if num_kv_heads is None:
+    return num_heads
+  core.checks.check_positive_int("num_kv_heads", num_kv_heads)
+  if num_heads % num_kv_heads:
+    raise ValueError(f"num_kv_heads={num_kv_heads} must divide num_heads={num_heads} (each key/value head serves "
+                     "num_heads // num_kv_heads query heads)")
+  return num_kv_heads
 
 
 def check_qk_transform(qk_transform) -> None:
@@ -194,7 +222,8 @@ class FavorSettings:
     qk_head_dim: query/key head dim when it differs from the value's (None: the same).
     rho_momentum: the running statistic's weight on its past (None: the layer keeps no statistic).
     decode: token by token from a constant-size state.
-    qk_transform: ``(query, key) -> (query, key)`` before the features (e.g. rotary embeddings).
+    qk_transform: ``(query, key) -> (query, key)`` before the features (e.g. rotary embeddings); to decode it
+      also takes ``positions`` ([l] int32, the tokens' absolute indices).
     mesh: the mesh of sequence-parallel attention (with ``sequence_axis``).
     sequence_axis: ``mesh``'s axis splitting the sequence.
     batch_axis: ``mesh``'s axis splitting the batch.

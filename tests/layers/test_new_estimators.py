@@ -141,11 +141,11 @@ def test_arguments_a_kernel_cannot_use_are_refused_by_name():
     with pytest.raises(ValueError, match=message):
       _nnx_layer(**kwargs)
   flip = lambda q, k: (q, k[..., ::-1])
-  with pytest.raises(ValueError, match=r"qk_transform with decode=True is not supported"):
+  with pytest.raises(ValueError, match=r"qk_transform with decode=True must take the tokens. positions"):
     init(causal=True, decode=True, qk_transform=flip)
-  with pytest.raises(ValueError, match=r"qk_transform with decode=True is not supported"):
+  with pytest.raises(ValueError, match=r"qk_transform with decode=True must take the tokens. positions"):
     _nnx_layer(causal=True, decode=True, qk_transform=flip)
-  with pytest.raises(ValueError, match=r"qk_transform with decode=True is not supported"):
+  with pytest.raises(ValueError, match=r"qk_transform with decode=True must take the tokens. positions"):
     _nnx_layer(causal=True, qk_transform=flip)(x, decode=True)  # decode asked for at call time
   with pytest.raises(TypeError, match=r"qk_transform must be a callable .*got str"):
     init(qk_transform="rotary")

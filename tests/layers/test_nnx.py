@@ -125,8 +125,8 @@ def _decode(model, x):
 def test_bad_configurations():
   with pytest.raises(ValueError, match="do not pass attention_fn"):
     fnnx.FavorAttention(H, F, attention_fn=lambda *a, **k: None, rngs=nnx.Rngs(0))
-  with pytest.raises(ValueError, match="num_kv_heads"):
-    fnnx.FavorAttention(H, F, num_kv_heads=1, rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match="num_kv_heads=3 must divide num_heads=2"):
+    fnnx.FavorAttention(H, F, num_kv_heads=3, rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match="decode=True needs causal=True"):
     fnnx.FavorAttention(H, F, decode=True, rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match="projection must be one of"):
