@@ -30,7 +30,7 @@ from experiments.train import plotting
 from favor_jax import core
 
 CHUNK = 64  # favor_attention's default chunk_size, for the FLOP count
-# exact attention: ours, jax's (cuDNN on a GPU), jax's TPU flash and splash kernels (experiments/studies/tpu_attention.py)
+# exact attention: ours, jax's (cuDNN on a GPU), jax's TPU flash and splash kernels (studies/tpu_attention.py)
 EXACT = ("softmax", "jax_dot_product_attention") + tuple(tpu_attention.METHODS)
 
 

@@ -212,8 +212,9 @@ class FavorAttention(nn.MultiHeadDotProductAttention):
 
     Raises:
       ValueError: for ``sow_weights``, a mask that is not key padding, ``qkv_features`` not divisible by
-        ``num_heads``, ``num_kv_heads`` not dividing ``num_heads``, attention dropout while training, a stored projection or feature map of the wrong
-        shape, a decode call without (or with the wrong kind of) ``cache``, or invalid settings.
+        ``num_heads``, ``num_kv_heads`` not dividing ``num_heads``, attention dropout while training, a stored
+        projection or feature map of the wrong shape, a decode call without (or with the wrong kind of)
+        ``cache``, or invalid settings.
       TypeError: for inputs or settings of the wrong type (as the input and settings checks raise).
     """
     del dropout_rng
