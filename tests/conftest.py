@@ -15,11 +15,14 @@ jax.config.update("jax_default_matmul_precision", "highest")
 FIRST = ("tests/parallel/test_multidevice.py", "tests/test_notebooks.py", "tests/experiments/test_multihost.py",
          "tests/test_docs.py", "tests/test_structure.py",
          "tests/experiments/test_experiments.py", "tests/experiments/test_quality_study.py",
-         "tests/experiments/test_training.py",
-         # then the longest of the rest (worker-seconds, --durations=0 on 2026-12-02), longest first: the run
+         "tests/experiments/test_training.py", "tests/experiments/test_lm_training.py",
+         # then the longest of the rest (worker-seconds, --durations=0 on 2026-12-02 and 12-04), longest first: the run
          # ends on short files, not on one worker finishing a 3-minute file while the other idles
-         "tests/core/test_attention.py", "tests/core/test_numerics.py", "tests/layers/test_new_estimators.py",
-         "tests/core/test_fused.py", "tests/core/test_estimators.py", "tests/layers/test_linen.py",
+         "tests/core/test_attention.py", "tests/core/test_fused.py", "tests/core/test_numerics.py",
+         "tests/core/test_precision.py", "tests/core/test_fused_tpu.py", "tests/experiments/test_generate.py",
+         "tests/layers/test_new_estimators.py", "tests/test_export.py", "tests/core/test_user_kernel.py",
+         "tests/layers/test_gqa_rotary_decode.py", "tests/experiments/test_tpu_check.py",
+         "tests/core/test_estimators.py", "tests/layers/test_linen.py",
          "tests/test_readme.py")
 CACHE_ENV = "JAX_COMPILATION_CACHE_DIR"
 # Tests check results, not speed, on small shapes: most of their time is XLA compiling many small programs.

@@ -199,8 +199,8 @@ def test_peers_needs_two_draws_for_its_interval():
                                                   ("scales", (0.0,), "config.scales"),
                                                   ("num_draws", 0, "config.num_draws")])
 def test_precision_study_names_a_bad_field_before_measuring(field, value, named):
-  from experiments import precision
   from experiments.configs import precision as cfg
+  from experiments.studies import precision
   config = cfg.get_config("quick")
   config[field] = value
   with pytest.raises(ValueError, match=named):

@@ -210,7 +210,7 @@ def test_showcase_finding_names_the_best_linear_time_run_against_softmax():
 def test_committed_showcase_summary_states_what_the_finding_rule_says():
   """summary.md of the committed main job carries the sentence the finding rule makes of its results.json (a
   rule changed without regenerating the summary, or a hand-edited summary, fails here)."""
-  from experiments import showcase
+  from experiments.studies import showcase
   results = ROOT / "experiments" / "results" / "showcase_cpu"
   text = showcase.finding(json.loads((results / "results.json").read_text()))
   assert text in (results / "summary.md").read_text()

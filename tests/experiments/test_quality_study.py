@@ -42,7 +42,8 @@ H, D, L = 2, 16, 32  # the tiny config's heads, head dim and length
     (favor("hyperbolic", num_features=16), H * 32 * (D + 1) + H * 32 + 1),  # F = 2M
     # + the window's keys and values, their mask and count, and each slot's accumulated log gate [W, H]
     (favor("positive", num_features=16, window=5), H * 16 * (D + 1) + H * 16 + 5 * H * 2 * D + 5 + 1 + 5 * H + 1),
-    (favor("taylor", qk_head_dim=4), H * 15 * (D + 1) + H + 1),  # F = 1 + 4 + 10; one maximum per head
+    # F = 1 + 4 + 10; a maximum per feature (features with a multiplier carry their size in the log: state.parts)
+    (favor("taylor", qk_head_dim=4), H * 15 * (D + 1) + H * 15 + 1),
     (tiny(**{"model.short_conv": 4}), 3 * H * D + L * H * 2 * D),  # + the last 3 inputs of width d_model
     (common.set_fields(favor("positive", num_features=16), {"model.short_conv": 3}),
      2 * H * D + H * 16 * (D + 1) + H * 16 + 1),
