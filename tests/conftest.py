@@ -3,6 +3,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 
 import jax
 import pytest
@@ -59,6 +60,10 @@ def pytest_configure(config):
   if CACHE_ENV not in os.environ:
     os.environ[CACHE_ENV] = config._favor_cache = tempfile.mkdtemp(prefix="favor_jax_compilation_cache_")
   jax.config.update("jax_compilation_cache_dir", os.environ[CACHE_ENV])  # this process read it at import
+
+
+def pytest_sessionstart(session):
+  session.config._favor_start = time.time()
 
 
 def pytest_unconfigure(config):
@@ -127,9 +132,26 @@ def pytest_report_teststatus(report):
   return None
 
 
-def pytest_terminal_summary(terminalreporter):
+# The suite's budget on this project's machine (2 quiet cores): the default tier in 5 minutes, the whole suite
+# (CI's `-m "slow or not slow"`) in 15. Printed beside the measured time, never asserted: a busy machine is
+# slower, and a timed assertion would fail there for nothing the code did.
+BUDGET_S = {"not slow": 300, "slow or not slow": 900}
+
+
+@pytest.hookimpl(trylast=True)  # after --durations's list of the slowest tests
+def pytest_terminal_summary(terminalreporter, config):
   for report in terminalreporter.stats.get("rerun", []):
     terminalreporter.line(f"{report.longrepr} (ran again on a fresh worker; that run's result counts)")
+  reports = [r for key in ("passed", "failed", "error", "skipped") for r in terminalreporter.stats.get(key, [])
+             if hasattr(r, "duration")]
+  tests = {r.nodeid for r in reports}
+  in_tests = sum(r.duration for r in reports)  # setup, call and teardown of every test, all workers together
+  wall = time.time() - config._favor_start
+  tier = config.getoption("markexpr") or "slow or not slow"
+  budget = BUDGET_S.get(tier)
+  verdict = "" if budget is None else f"; budget {budget} s on 2 quiet cores{' (over it)' if wall > budget else ''}"
+  terminalreporter.write_sep("=", f"suite time, tier -m {tier!r}: {len(tests)} tests, {wall:.0f} s wall, "
+                                  f"{in_tests:.0f} s in tests over all workers{verdict}")
 
 
 def pytest_collection_modifyitems(items):
