@@ -38,6 +38,7 @@ def built(tmp_path_factory):
   return run.returncode, run.stderr, out
 
 
+@pytest.mark.slow
 def test_docs_build_with_warnings_as_errors(built):
   code, warnings, _ = built
   assert code == 0, f"sphinx-build -W failed:\n{warnings[-6000:]}"
@@ -68,6 +69,7 @@ def resolve(dotted: str):
   return None
 
 
+@pytest.mark.slow
 def test_api_reference_lists_every_public_name(built):
   """Each public name is documented under its own module's path, or the same object under another public
   module's (``favor_jax.core`` re-exports ``KERNELS`` and ``get_kernel`` of ``favor_jax.core.kernels``)."""
@@ -103,6 +105,7 @@ def broken_local_links(out: pathlib.Path) -> list[str]:
   return broken
 
 
+@pytest.mark.slow
 def test_built_pages_have_no_broken_local_links(built):
   """Every relative link of the built site resolves, [source] and [docs] links of viewcode included (a source
   module documented under two module paths once gave links to anchors that do not exist)."""
@@ -117,6 +120,7 @@ def test_broken_local_links_are_found(tmp_path):
   assert broken_local_links(tmp_path) == ["a.html: b.html#y", "a.html: c.html"]
 
 
+@pytest.mark.slow
 def test_math_and_types_read_as_written(built):
   """Math is served from the built site (MathJax in _static, no CDN: it renders offline); the shape legend of
   favor_jax.core is a block, not one paragraph; jaxtyping annotations show ``Array``, not JAX's private path."""
@@ -181,6 +185,7 @@ def test_skip_marker_is_read():
   assert [line for line, _ in python_blocks(text)] == [4, 7]
 
 
+@pytest.mark.slow
 def test_every_docs_python_block_runs():
   blocks = docs_blocks()
   assert len(blocks) >= 4, blocks  # flax layers (Linen, NNX, distillation), decoding

@@ -79,6 +79,7 @@ def test_stale_cells_ignore_numbers_not_words():
   assert [line.split(":")[0] for line in stale_cells(old, new)] == ["code cell 1"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
 def test_notebook_executes(path):
   nbformat = pytest.importorskip("nbformat")

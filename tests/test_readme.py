@@ -10,6 +10,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 # Runs each (where, code) block in a fresh namespace (imports are shared, so this is one JAX start-up, not one
@@ -68,6 +70,7 @@ def test_quick_start_needs_only_favor_jax_and_jax():
   assert imported - stdlib <= {"favor_jax", "jax"}, imported - stdlib
 
 
+@pytest.mark.slow
 def test_every_readme_python_block_runs():
   blocks = [(f"README.md:{line}", code) for line, code in python_blocks((ROOT / "README.md").read_text())]
   assert len(blocks) >= 2, blocks  # the quick start: core, Flax

@@ -7,6 +7,8 @@ import shutil
 import subprocess
 import sys
 
+import pytest
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 CRASH_ONCE = """
@@ -26,6 +28,7 @@ def test_{name}_after():
 """
 
 
+@pytest.mark.slow
 def test_a_crashed_test_runs_again_on_a_fresh_worker_and_the_run_ends(tmp_path):
   shutil.copy(os.path.join(HERE, "conftest.py"), tmp_path / "conftest.py")
   (tmp_path / "pytest.ini").write_text("[pytest]\n")

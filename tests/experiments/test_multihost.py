@@ -128,6 +128,7 @@ def runs(tmp_path_factory):
   return dict(two=two, one=one, killed=killed, resumed=resumed)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_two_processes_give_the_losses_of_one(runs, layout):
   cluster, reference = _losses(runs["two"], layout), _losses(runs["one"], REFERENCE.get(layout, layout))
@@ -136,6 +137,7 @@ def test_two_processes_give_the_losses_of_one(runs, layout):
   np.testing.assert_allclose(cluster[:, 1], reference[:, 1], rtol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("moved,resumed_at", [("killed", r"[1-5]"), ("to_two", r"3")])
 def test_checkpoint_moves_between_two_processes_and_one(runs, moved, resumed_at):
   """killed: 2 processes, killed mid-run, resumed by 1; to_two: 1 process, stopped after step 3, then 2
@@ -147,12 +149,14 @@ def test_checkpoint_moves_between_two_processes_and_one(runs, moved, resumed_at)
   np.testing.assert_allclose(resumed[:, 1], reference[:, 1], rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_a_dead_process_stops_the_cluster_within_seconds(runs):
   status, seconds, process_0_alive = runs["killed"]
   assert status == 128 + signal.SIGKILL  # process 1's fate, as a shell reports it
   assert seconds < 10 and not process_0_alive  # process 0, left waiting in a collective, was stopped
 
 
+@pytest.mark.slow
 def test_process_0_alone_writes_the_run_files(runs):
   two = runs["two"]
   config = json.load(open(two / "config.json"))["config"]
@@ -211,6 +215,7 @@ def test_local_cluster_refuses_a_cluster_field_on_its_command_line():
   assert [c[-1] for c in cmds] == ["--config.mesh.process_id=0", "--config.mesh.process_id=1"]
 
 
+@pytest.mark.slow
 def test_local_cluster_names_a_missing_config():
   """Without ``-- --config=...`` the cluster's own fields were refused first: "Unknown command line flag
   'config.mesh.distributed'"."""
@@ -224,6 +229,7 @@ def test_local_cluster_names_a_missing_config():
   assert "Unknown command line flag" not in result.stderr and "Traceback" not in result.stderr
 
 
+@pytest.mark.slow
 def test_distributed_without_a_cluster_is_named(tmp_path):
   """mesh.distributed=True where JAX detects no cluster and none is given: JAX's bare "coordinator_address
   should be defined" now says which field asked for it and what to give."""

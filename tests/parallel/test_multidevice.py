@@ -13,6 +13,7 @@ from experiments import local_cluster
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cases", ["multidevice_cases.py", "gate_cases.py"])
 def test_cases_on_8_forced_cpu_devices(cases):
   env = {**os.environ, "XLA_FLAGS": local_cluster.xla_flags(8), "JAX_PLATFORMS": "cpu"}  # keeps conftest's flags
