@@ -113,7 +113,8 @@ def test_generate_refuses_bad_arguments_by_name(run_dir, tmp_path):
   workdir, _, _ = run_dir
   config, loaded, _ = generation.load_run(workdir)
   for kwargs, message in [(dict(max_new_tokens=0), "max_new_tokens must be an int >= 1, got 0"),
-                          (dict(temperature=-1.0), "temperature must be >= 0"),
+                          (dict(temperature=-1.0), "temperature must be a finite number >= 0"),
+                          (dict(temperature=float("inf")), "temperature must be a finite number >= 0"),
                           (dict(top_k=300), r"top_k must be an int in \[0, 256\]")]:
     with pytest.raises(ValueError, match=message):
       generation.generate(config, loaded, [[1, 2]], **{"max_new_tokens": 2, **kwargs})
