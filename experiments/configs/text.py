@@ -24,7 +24,7 @@ def get_config(arg=None):
   config.data.path = ""  # a file or folder of files read as bytes (vocab 256); "" (and no token_file): Shakespeare
   config.data.token_file = ""  # token ids instead: a .npy array, or raw data.token_dtype with data.vocab_size
   config.data.token_dtype = "uint16"  # a raw token file's ids: "uint16" or "uint32" (little-endian)
-  config.data.vocab_size = 0  # the token file's vocabulary (0: bytes' 256, or a .npy file's largest id + 1)
+  config.data.vocab_size = 0  # the token file's vocabulary (0: bytes' 256, data.tokenizer's, a .npy's largest id + 1)
   config.data.document_separator = -1  # the token id that ends a document in the token file (-1: none)
   config.data.tokenizer = ""  # the token file's tokenizer JSON (experiments.tokenize): bits per byte, text prompts
   config.data.valid_files = ()  # files of the data.path folder held out (names relative to it); () = a fraction

@@ -50,10 +50,11 @@ def check_data(data) -> None:
   if data.token_dtype not in TOKEN_DTYPES:
     raise ValueError(f"data.token_dtype must be one of {TOKEN_DTYPES}, got {data.token_dtype!r}")
   if not isinstance(data.vocab_size, int) or data.vocab_size < 0:
-    raise ValueError(f"data.vocab_size must be an int >= 0 (0: 256 for bytes, a .npy file's largest id + 1), got "
-                     f"{data.vocab_size!r}")
-  if data.token_file and not data.token_file.endswith(".npy") and not data.vocab_size:
-    raise ValueError(f"data.token_file={data.token_file!r} is raw {data.token_dtype}: give data.vocab_size")
+    raise ValueError(f"data.vocab_size must be an int >= 0 (0: 256 for bytes, data.tokenizer's, or a .npy file's "
+                     f"largest id + 1), got {data.vocab_size!r}")
+  if data.token_file and not data.token_file.endswith(".npy") and not data.vocab_size and not data.get("tokenizer"):
+    raise ValueError(f"data.token_file={data.token_file!r} is raw {data.token_dtype}: give data.vocab_size (or "
+                     "data.tokenizer, whose vocabulary it is)")
   if not data.token_file and data.vocab_size not in (0, 256):
     raise ValueError(f"data.vocab_size={data.vocab_size} with text input, whose tokens are bytes (256)")
   if data.get("tokenizer") and not data.token_file:
