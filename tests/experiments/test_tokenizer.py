@@ -161,3 +161,21 @@ def test_the_tokenizer_trains_a_run_and_generate_takes_text_in_and_gives_text_ou
   assert bad.returncode == 1 and bad.stdout == ""
   assert bad.stderr.strip().splitlines() == [f"error: top_k must be an int in [0, {task.vocab_size}] (0: every "
                                              "token), got 100000"]
+
+
+def test_the_run_keeps_its_tokenizer_and_a_resume_must_give_the_same(corpus, tmp_path):
+  from experiments.train import checkpointing
+  _, out, _ = corpus
+  run = tmp_path / "run"
+  run.mkdir()
+  checkpointing.record_tokenizer(str(run), _tiny_token_config(out), fresh=True)
+  assert (run / "tokenizer.json").read_bytes() == (out / "tokenizer.json").read_bytes()
+  moved = tmp_path / "moved.json"
+  moved.write_bytes((out / "tokenizer.json").read_bytes())
+  checkpointing.record_tokenizer(str(run), _tiny_token_config(out, **{"data.tokenizer": str(moved)}), fresh=False)
+  tokenizer.train([b"other text entirely"], 300).save(str(tmp_path / "other.json"))
+  other = _tiny_token_config(out, **{"data.tokenizer": str(tmp_path / "other.json")})
+  with pytest.raises(ValueError, match="is not the tokenizer .* was trained with"):
+    checkpointing.record_tokenizer(str(run), other, fresh=False)
+  checkpointing.record_tokenizer(str(run), other, fresh=True)  # a fresh start replaces it
+  assert (run / "tokenizer.json").read_bytes() == (tmp_path / "other.json").read_bytes()
