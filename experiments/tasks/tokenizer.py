@@ -131,7 +131,8 @@ def encode(tokenizer, data: bytes) -> list[int]:
 
 
 def decode(tokenizer, ids: Iterable[int]) -> bytes:
-  """The bytes ``ids`` stand for (a special token: its name, e.g. ``END_OF_DOCUMENT``, as UTF-8)."""
+  """The bytes ``ids`` stand for (a special token: its name, e.g. ``END_OF_DOCUMENT``, as UTF-8; an id beyond the
+  tokenizer's vocabulary, which a padded model vocabulary may sample: ``<id>``)."""
   special, inverse = _special(tokenizer), {c: b for b, c in byte_alphabet().items()}
   out = bytearray()
   for i in ids:
@@ -139,8 +140,6 @@ def decode(tokenizer, ids: Iterable[int]) -> bytes:
     if i in special:
       out += special[i].encode("utf-8")
     else:
-      token = tokenizer.id_to_token(i)
-      if token is None:
-        raise ValueError(f"token id {i} is outside the tokenizer's vocabulary of {tokenizer.get_vocab_size()}")
-      out += bytes(inverse[c] for c in token)
+      token = tokenizer.id_to_token(i)  # None: an id of a vocabulary padded beyond the tokenizer's
+      out += f"<{i}>".encode() if token is None else bytes(inverse[c] for c in token)
   return bytes(out)

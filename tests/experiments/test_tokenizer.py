@@ -62,6 +62,8 @@ def test_any_bytes_encode_and_decode_back(corpus):
     assert tokenizer.decode(learned, ids) == data
     assert int(sizes[ids].sum()) == len(data)  # every id's bytes counted, the special token's name included
     assert 0 not in ids  # the end-of-document id comes only from the token file's writer
+  beyond = learned.get_vocab_size()  # a padded model vocabulary's id: no bytes, shown as itself
+  assert tokenizer.decode(learned, [0, beyond]) == f"<|endoftext|><{beyond}>".encode()
   ascii_text = _prose(9, 50).decode()
   assert tokenizer.encode(learned, ascii_text.encode()) == learned.encode(ascii_text).ids  # the library's BPE
 
