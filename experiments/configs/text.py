@@ -4,6 +4,10 @@
         --config.data.path=/data/my_corpus/          # a UTF-8/bytes file or a folder of them
     python -m experiments.main --config=experiments/configs/text.py --workdir=workdir/text \
         --config.data.token_file=/data/tokens.bin --config.data.vocab_size=50257   # raw uint16 ids
+    python -m experiments.tokenize --corpus=/data/my_corpus/ --vocab_size=8192 --out=/data/bpe8k   # your tokenizer
+    python -m experiments.main --config=experiments/configs/text.py --workdir=workdir/text \
+        --config.data.token_file=/data/bpe8k/tokens.npy --config.data.tokenizer=/data/bpe8k/tokenizer.json \
+        --config.data.document_separator=0
     python -m experiments.main --config=experiments/configs/text.py:quick --workdir=/tmp/text   # CPU size
 
 One run (named "run"); more are variants as in every training config, e.g.
@@ -20,8 +24,9 @@ def get_config(arg=None):
   config.data.path = ""  # a file or folder of files read as bytes (vocab 256); "" (and no token_file): Shakespeare
   config.data.token_file = ""  # token ids instead: a .npy array, or raw data.token_dtype with data.vocab_size
   config.data.token_dtype = "uint16"  # a raw token file's ids: "uint16" or "uint32" (little-endian)
-  config.data.vocab_size = 0  # the token file's vocabulary (0: bytes' 256, or a .npy file's largest id + 1)
+  config.data.vocab_size = 0  # the token file's vocabulary (0: bytes' 256, data.tokenizer's, a .npy's largest id + 1)
   config.data.document_separator = -1  # the token id that ends a document in the token file (-1: none)
+  config.data.tokenizer = ""  # the token file's tokenizer JSON (experiments.tokenize): bits per byte, text prompts
   config.data.valid_files = ()  # files of the data.path folder held out (names relative to it); () = a fraction
   config.data.valid_fraction = 0.05  # without valid_files: the last this fraction of the tokens is held out
   config.data.seq_len = 512  # tokens per training window

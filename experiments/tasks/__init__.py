@@ -28,7 +28,9 @@ class Task(NamedTuple):
   name: str
   vocab_size: int
   num_classes: int  # 0: causal language model; else an encoder classifier over this many classes
-  metric: str  # the headline evaluation metric: "eval_accuracy" or "eval_bpc"
+  # the headline evaluation metric: "eval_accuracy", or a language model's "eval_bpc" (bits per byte of a byte
+  # vocabulary), "eval_bits_per_byte" (a tokenizer's) or "eval_bits_per_token" (ids whose bytes are unknown)
+  metric: str
   max_len: int
   train_batch: Callable[[int], Batch]  # position in the training stream -> batch
   eval_batches: list[Batch]  # the fixed held-out set
@@ -36,6 +38,9 @@ class Task(NamedTuple):
   # the end of training (metrics ``eval_*_at_L``)
   length_evals: tuple = ()
   split: str = ""  # how the held-out set was chosen, in words ("" where it is generated)
+  # int64 [vocab_size]: the bytes of text each token id stands for (a language model's held-out bits per byte);
+  # None where unknown (a token file without its tokenizer) or not text
+  token_bytes: np.ndarray | None = None
 
 
 def stream_rng(seed: int, stream: int, position: int) -> np.random.Generator:

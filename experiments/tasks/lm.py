@@ -19,6 +19,8 @@ import numpy as np
 
 from experiments.tasks import Batch, Task, stream_rng
 
+BYTES = np.ones(256, np.int64)  # a byte vocabulary's bytes per token (``lm_task``'s default)
+
 
 class Corpus(NamedTuple):
   tokens: np.ndarray  # [N] token ids (any int dtype; np.memmap allowed)
@@ -37,10 +39,20 @@ def windows(corpus: Corpus, offsets, length: int, pack: bool) -> Batch:
 
 
 def lm_task(name: str, vocab_size: int, train: Corpus, valid: Corpus, data, batch_size: int, seed: int,
-            split: str = "") -> Task:
+            split: str = "", token_bytes: np.ndarray | None = BYTES) -> Task:
   """A causal LM task over ``train`` and ``valid``: ``data.seq_len``-token training windows at random offsets,
   ``data.num_eval_batches`` batches of evenly spaced held-out windows, held-out sets at ``data.eval_lengths``
-  (as many tokens each), packed by ``data.pack``; the headline metric bits per token (``eval_bpc``)."""
+  (as many tokens each), packed by ``data.pack``.
+
+  ``token_bytes``: the bytes of text each id stands for (:data:`BYTES`: the ids are bytes; None: unknown). The
+  headline metric: bits per byte (``eval_bpc`` for a byte vocabulary, where a token is a byte; else
+  ``eval_bits_per_byte``), or bits per token (``eval_bits_per_token``) where the bytes are unknown."""
+  if token_bytes is BYTES:
+    metric = "eval_bpc"
+  else:
+    metric = "eval_bits_per_token" if token_bytes is None else "eval_bits_per_byte"
+  if token_bytes is not None and len(token_bytes) != vocab_size:
+    raise ValueError(f"token_bytes has {len(token_bytes)} entries for a vocabulary of {vocab_size}")
   pack, lengths = data.get("pack", False), tuple(data.get("eval_lengths", ()))
   longest = max((data.seq_len,) + lengths)
   if min(len(train.tokens), len(valid.tokens)) < longest + 1:
@@ -56,9 +68,10 @@ def lm_task(name: str, vocab_size: int, train: Corpus, valid: Corpus, data, batc
     offsets = np.linspace(0, len(valid.tokens) - length - 1, count).astype(np.int64)
     return [windows(valid, offsets[i:i + batch_size], length, pack) for i in range(0, count, batch_size)]
 
-  return Task(name=name, vocab_size=vocab_size, num_classes=0, metric="eval_bpc", max_len=longest,
+  return Task(name=name, vocab_size=vocab_size, num_classes=0, metric=metric, max_len=longest,
               train_batch=train_batch, eval_batches=held_out(data.seq_len),
-              length_evals=tuple((length, held_out(length)) for length in lengths), split=split)
+              length_evals=tuple((length, held_out(length)) for length in lengths), split=split,
+              token_bytes=None if token_bytes is None else np.asarray(token_bytes, np.int64))
 
 
 def join(parts: list[bytes], separator: bytes = b"") -> Corpus:

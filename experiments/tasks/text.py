@@ -8,7 +8,10 @@
   array, or raw little-endian ``data.token_dtype`` (uint16 / uint32) with
   ``data.vocab_size``; memory-mapped, so a window reads only its own tokens.
   ``data.document_separator`` (>= 0) is the id that ends a document (an EOS
-  token), -1 none.
+  token), -1 none. ``data.tokenizer``: the tokenizer JSON that made it
+  (``python -m experiments.tokenize``); the run keeps a copy, generation
+  encodes prompts and decodes samples with it, and the held-out bits per byte
+  are known (each id's bytes); without it, bits per token only.
 
 The held-out split: the files ``data.valid_files`` names (a folder), else the
 last ``data.valid_fraction`` of the tokens. Windows, packing and the batch rule
@@ -47,12 +50,16 @@ def check_data(data) -> None:
   if data.token_dtype not in TOKEN_DTYPES:
     raise ValueError(f"data.token_dtype must be one of {TOKEN_DTYPES}, got {data.token_dtype!r}")
   if not isinstance(data.vocab_size, int) or data.vocab_size < 0:
-    raise ValueError(f"data.vocab_size must be an int >= 0 (0: 256 for bytes, a .npy file's largest id + 1), got "
-                     f"{data.vocab_size!r}")
-  if data.token_file and not data.token_file.endswith(".npy") and not data.vocab_size:
-    raise ValueError(f"data.token_file={data.token_file!r} is raw {data.token_dtype}: give data.vocab_size")
+    raise ValueError(f"data.vocab_size must be an int >= 0 (0: 256 for bytes, data.tokenizer's, or a .npy file's "
+                     f"largest id + 1), got {data.vocab_size!r}")
+  if data.token_file and not data.token_file.endswith(".npy") and not data.vocab_size and not data.get("tokenizer"):
+    raise ValueError(f"data.token_file={data.token_file!r} is raw {data.token_dtype}: give data.vocab_size (or "
+                     "data.tokenizer, whose vocabulary it is)")
   if not data.token_file and data.vocab_size not in (0, 256):
     raise ValueError(f"data.vocab_size={data.vocab_size} with text input, whose tokens are bytes (256)")
+  if data.get("tokenizer") and not data.token_file:
+    raise ValueError(f"data.tokenizer={data.tokenizer!r} names the tokenizer of a data.token_file, but there is "
+                     "none (text input is bytes): give data.token_file (python -m experiments.tokenize writes both)")
   if not isinstance(data.document_separator, int) or data.document_separator < -1:
     raise ValueError(f"data.document_separator must be a token id or -1 (none), got {data.document_separator!r}")
 
@@ -61,7 +68,8 @@ def unused_data(data) -> dict:
   """{data field: why this input does not read it}."""
   unused = {}
   if not data.token_file:
-    unused.update({f: "no data.token_file: the input is text (bytes)" for f in ("token_dtype", "document_separator")})
+    unused.update({f: "no data.token_file: the input is text (bytes)"
+                   for f in ("token_dtype", "document_separator", "tokenizer") if f in data})
   elif data.token_file.endswith(".npy"):
     unused["token_dtype"] = "a .npy token file holds its own dtype"
   if data.valid_files:
@@ -100,8 +108,17 @@ def _tail_split(corpus: lm.Corpus, fraction: float) -> tuple[lm.Corpus, lm.Corpu
   return lm.Corpus(corpus.tokens[:cut], head), lm.Corpus(corpus.tokens[cut:], tail)
 
 
-def token_corpus(data) -> tuple[lm.Corpus, int]:
-  """The token file's corpus (memory-mapped) and its vocabulary size."""
+def token_bytes(data) -> np.ndarray | None:
+  """The bytes each id of ``data.tokenizer`` stands for (``tokenizer.token_bytes``); None without one."""
+  if not data.get("tokenizer"):
+    return None
+  from experiments.tasks import tokenizer
+  return tokenizer.token_bytes(tokenizer.load(data.tokenizer))
+
+
+def token_corpus(data, tokenizer_vocab: int = 0) -> tuple[lm.Corpus, int]:
+  """The token file's corpus (memory-mapped) and its vocabulary size (``data.vocab_size``, else the
+  tokenizer's ``tokenizer_vocab``, else a .npy file's largest id + 1)."""
   path = data.token_file
   if not os.path.isfile(path):
     raise ValueError(f"data.token_file={path!r} is not a file")
@@ -117,7 +134,10 @@ def token_corpus(data) -> tuple[lm.Corpus, int]:
                        f"{data.token_dtype} tokens: check data.token_dtype")
     tokens = np.memmap(path, dtype=np.dtype(data.token_dtype).newbyteorder("<"), mode="r")
   largest = int(tokens.max())  # one pass over the file
-  vocab = data.vocab_size or largest + 1
+  if data.vocab_size and data.vocab_size < tokenizer_vocab:
+    raise ValueError(f"data.vocab_size={data.vocab_size} is smaller than data.tokenizer's vocabulary of "
+                     f"{tokenizer_vocab} ids: give 0 (the tokenizer's) or at least {tokenizer_vocab}")
+  vocab = data.vocab_size or tokenizer_vocab or largest + 1
   if largest >= vocab or int(tokens.min()) < 0:
     raise ValueError(f"data.token_file={path!r} holds ids up to {largest}, outside data.vocab_size={vocab}")
   sep, chunk = data.document_separator, 1 << 26  # the separators found a chunk of the file at a time
@@ -132,10 +152,13 @@ def make_task(data, batch_size: int, seed: int) -> Task:
   """The text task of ``data`` (the module's docstring)."""
   check_data(data)
   if data.token_file:
-    corpus, vocab = token_corpus(data)
+    sizes = token_bytes(data)
+    corpus, vocab = token_corpus(data, 0 if sizes is None else len(sizes))
     train, valid = _tail_split(corpus, data.valid_fraction)
     split = f"the last {data.valid_fraction:g} of {data.token_file} held out ({len(valid.tokens)} tokens)"
-    return lm.lm_task("text", vocab, train, valid, data, batch_size, seed, split)
+    if sizes is not None:  # a vocabulary padded beyond the tokenizer's: ids it never emits, no bytes
+      sizes = np.concatenate([sizes, np.zeros(vocab - len(sizes), np.int64)])
+    return lm.lm_task("text", vocab, train, valid, data, batch_size, seed, split, token_bytes=sizes)
   path = data.path or shakespeare.fetch()
   found = files(path)
   missing = sorted(set(data.valid_files) - set(found))

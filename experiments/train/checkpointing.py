@@ -37,33 +37,52 @@ def open_checkpoints(directory: str, state: TrainState, progress,
   """
   directory = os.path.abspath(directory)
   checkpoints = ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(max_to_keep=2))
-  damaged, steps = [], sorted(checkpoints.all_steps(), reverse=True)
+  steps = checkpoints.all_steps()
   if steps:
-    check_resume(steps[0])
-  for step in steps:
+    check_resume(max(steps))
+  restore = lambda step: checkpoints.restore(step, args=ocp.args.StandardRestore(state))
+  found = newest_that_restores(directory, steps, restore, progress, "into this config's training state")
+  if found is None:
+    return checkpoints, state
+  _, restored, damaged = found
+  if damaged:
+    options = ocp.CheckpointManagerOptions(todelete_subdir="damaged")  # moved aside, not deleted
+    mover = ocp.CheckpointManager(directory, options=options)
+    for bad, _ in damaged:
+      mover.delete(bad)
+      progress(f"moved the damaged checkpoint at step {bad} to {os.path.join(directory, 'damaged')}")
+    checkpoints.reload()
+  progress(f"resumed from the checkpoint at step {int(restored.step)}")
+  return checkpoints, restored
+
+
+def newest_that_restores(directory: str, steps, restore, progress=lambda message: None,
+                         into: str = "") -> tuple[int, object, list[tuple[int, str]]] | None:
+  """The rule training's resume and generation share: (step, ``restore(step)``, [(damaged step, why)]) of the
+  newest of ``steps`` (checkpoints in ``directory``) that restores, each newer one that does not (a truncated,
+  zeroed or missing file, a missing item directory) skipped and named to ``progress``; None without steps.
+
+  Raises:
+    ValueError: naming ``directory`` and each step's reason, when steps exist and none restores (``into``: what
+      they were restored into, for the message).
+  """
+  damaged = []
+  for step in sorted(steps, reverse=True):
     try:
       if not os.path.isdir(os.path.join(directory, str(step), ITEM)):  # orbax's restore of such a step leaves
         raise FileNotFoundError(f"its item directory {ITEM}/ is missing")  # the manager failing every other one
-      restored = checkpoints.restore(step, args=ocp.args.StandardRestore(state))
+      restored = restore(step)
     except Exception as e:  # orbax and tensorstore raise many types (JSON, tree structure, data loss, ...)
       damaged.append((step, _reason(e)))
       progress(f"the checkpoint at step {step} cannot be restored, skipping it ({damaged[-1][1]})")
       continue
-    if damaged:
-      options = ocp.CheckpointManagerOptions(todelete_subdir="damaged")  # moved aside, not deleted
-      mover = ocp.CheckpointManager(directory, options=options)
-      for bad, _ in damaged:
-        mover.delete(bad)
-        progress(f"moved the damaged checkpoint at step {bad} to {os.path.join(directory, 'damaged')}")
-      checkpoints.reload()
-    progress(f"resumed from the checkpoint at step {int(restored.step)}")
-    return checkpoints, restored
+    return step, restored, damaged
   if damaged:
     reasons = "; ".join(f"step {s}: {r}" for s, r in damaged)
-    raise ValueError(f"no checkpoint in {directory} can be restored into this config's training state "
-                     f"({reasons}). If its files are damaged or were written by another config, move or "
-                     "delete that directory to start the run over.")
-  return checkpoints, state
+    raise ValueError(f"no checkpoint in {directory} can be restored{' ' + into if into else ''} ({reasons}). If "
+                     "its files are damaged or were written by another config, move or delete that directory to "
+                     "start the run over.")
+  return None
 
 
 # Fields a resumed run may change: when it logs, evaluates, checkpoints and stops, and its mesh (orbax reshards
@@ -72,6 +91,7 @@ def open_checkpoints(directory: str, state: TrainState, progress,
 MAY_CHANGE_ON_RESUME = ("train.stop_after", "train.log_every", "train.eval_every", "train.checkpoint_every", "mesh")
 NOT_OF_THE_RUN = ("experiment", "config_name", "quick", "variants", "only")
 RUN_CONFIG = "run_config.json"  # in the run directory: the fields it was started with
+TOKENIZER = "tokenizer.json"  # in the run directory: a copy of data.tokenizer, the one generation decodes with
 
 
 def run_fields(config, resume: bool = True) -> dict:
@@ -90,6 +110,28 @@ def record_run_config(workdir: str, config) -> None:
   if jax.process_index() == 0:
     with open(os.path.join(workdir, RUN_CONFIG), "w") as f:
       json.dump(run_fields(config), f, indent=1)
+
+
+def record_tokenizer(workdir: str, config, fresh: bool) -> None:
+  """Keeps ``data.tokenizer`` in the run (``workdir/TOKENIZER``, process 0), so that generation encodes and decodes
+  with the tokenizer the run trained with wherever the original goes: copied on a ``fresh`` start; on a resume,
+  a ValueError unless the file is the same (its path may change, not its content)."""
+  source = config.data.get("tokenizer", "")
+  if not source:
+    return
+  with open(source, "rb") as f:
+    content = f.read()
+  target = os.path.join(workdir, TOKENIZER)
+  if not fresh and os.path.exists(target):
+    with open(target, "rb") as f:
+      if f.read() != content:
+        raise ValueError(f"data.tokenizer={source!r} is not the tokenizer {workdir} was trained with ({target}): "
+                         "a resumed run keeps its tokenizer; give that file, or another run directory")
+    return
+  if jax.process_index() == 0:
+    with open(target + ".tmp", "wb") as f:
+      f.write(content)
+    os.replace(target + ".tmp", target)
 
 
 def check_resumed_config(workdir: str, config, step: int) -> None:

@@ -20,18 +20,23 @@ import orbax.checkpoint as ocp
 
 from experiments.configs import common
 from experiments.train import models
-from experiments.train.checkpointing import ITEM, RUN_CONFIG
+from experiments.train.checkpointing import ITEM, RUN_CONFIG, TOKENIZER, newest_that_restores
 
-BYTES = 256  # a vocabulary of this size is bytes: prompts are UTF-8 text, outputs decoded back
+BYTES = 256  # a vocabulary of this size is bytes (without a tokenizer): a prompt's bytes are its tokens
+# Positive temperatures below this (float32's smallest normal number) sample as temperature 0, the most likely
+# token: 1/temperature is beyond float32's range (and the temperature itself rounds to 0 below ~7e-46).
+MIN_TEMPERATURE = float(np.finfo(np.float32).tiny)
 
 
-def load_run(workdir: str) -> tuple[ml_collections.ConfigDict, dict, int]:
+def load_run(workdir: str, progress=lambda message: None) -> tuple[ml_collections.ConfigDict, dict, int]:
   """(config, variables {"params", "favor"}, step) of the run in ``workdir``: its study's ``config.json``
   (in ``workdir`` or the directory above, as ``experiments.main`` writes it) with the run's own fields
-  (``run_config.json``) set over it, and its newest checkpoint.
+  (``run_config.json``) set over it, and its newest checkpoint that restores (training's rule,
+  ``checkpointing.newest_that_restores``: each newer one that does not is named to ``progress`` and skipped,
+  nothing moved).
 
   Raises:
-    ValueError: if ``workdir`` holds no checkpoint, or no config.json beside or above it.
+    ValueError: if ``workdir`` holds no checkpoint (or none that restores), or no config.json beside or above it.
   """
   workdir = os.path.abspath(workdir)
   directory = os.path.join(workdir, "checkpoints")
@@ -50,8 +55,8 @@ def load_run(workdir: str) -> tuple[ml_collections.ConfigDict, dict, int]:
   if os.path.exists(run_config):
     with open(run_config) as f:
       common.set_fields(config, json.load(f), what=f"{RUN_CONFIG} field")
-  step = max(steps)
-  restored = ocp.StandardCheckpointer().restore(os.path.join(directory, str(step), ITEM))
+  restore = lambda step: ocp.StandardCheckpointer().restore(os.path.join(directory, str(step), ITEM))
+  step, restored, _ = newest_that_restores(directory, steps, restore, progress)
   state = restored if isinstance(restored, dict) else dict(enumerate(restored))
   pick = lambda name, i: state[name] if name in state else state[str(i)] if str(i) in state else state[i]
   return config, {"params": pick("params", 2), "favor": pick("favor", 3) or {}}, step
@@ -87,11 +92,12 @@ def decode_step(model, variables, cache, tokens_Bl):
 
 
 def sample(logits_BV, key, temperature: float, top_k: int):
-  """One token per row: argmax for ``temperature`` 0, else from softmax(logits / temperature) over the
-  ``top_k`` most likely tokens (0: all)."""
-  if temperature == 0:
+  """One token per row: argmax for ``temperature`` 0 (and below ``MIN_TEMPERATURE``), else from
+  softmax(logits / temperature) over the ``top_k`` most likely tokens (0: all). The logits are shifted by their
+  maximum before the division, so no quotient overflows: the most likely tokens get 0, the rest at most 0."""
+  if temperature < MIN_TEMPERATURE:
     return jnp.argmax(logits_BV, -1).astype(jnp.int32)
-  logits_BV = logits_BV / temperature
+  logits_BV = (logits_BV - logits_BV.max(-1, keepdims=True)) / temperature
   if top_k:
     kth_B1 = jax.lax.top_k(logits_BV, top_k)[0][:, -1:]
     logits_BV = jnp.where(logits_BV < kth_B1, -jnp.inf, logits_BV)
@@ -102,8 +108,10 @@ def check_sampling(max_new_tokens, temperature, top_k, vocab: int) -> None:
   """ValueError naming ``max_new_tokens`` (an int >= 1), ``temperature`` (>= 0) or ``top_k`` (0..vocab)."""
   if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
     raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
-  if not temperature >= 0:
-    raise ValueError(f"temperature must be >= 0 (0: the most likely token), got {temperature!r}")
+  number = isinstance(temperature, (int, float, np.integer, np.floating)) and not isinstance(temperature, bool)
+  if not number or not 0 <= temperature < np.inf:
+    raise ValueError(f"temperature must be a finite number >= 0 (0, or below {MIN_TEMPERATURE:.3g}: the most likely "
+                     f"token), got {temperature!r}")
   if isinstance(top_k, bool) or not isinstance(top_k, int) or not 0 <= top_k <= vocab:
     raise ValueError(f"top_k must be an int in [0, {vocab}] (0: every token), got {top_k!r}")
 
@@ -150,13 +158,44 @@ def generate(config, variables: dict, prompts: list[list[int]], max_new_tokens: 
   return [fed[row, n:n + max_new_tokens].tolist() for row, n in enumerate(lengths)]
 
 
-def encode(text: str, vocab: int) -> list[int]:
-  """``text`` as token ids: its UTF-8 bytes for a byte vocabulary; a ValueError for any other."""
+def load_tokenizer(workdir: str, config):
+  """The tokenizer the run in ``workdir`` trained with: its copy (``TOKENIZER``, kept by training), else the file
+  ``data.tokenizer`` names where it still exists; None for a run without one (bytes, or bare token ids)."""
+  from experiments.tasks import tokenizer
+  kept = os.path.join(workdir, TOKENIZER)
+  if os.path.isfile(kept):
+    return tokenizer.load(kept, field=f"the run's tokenizer ({TOKENIZER})")
+  named = config.data.get("tokenizer", "") if "data" in config else ""
+  return tokenizer.load(named) if named and os.path.isfile(named) else None
+
+
+def encode(text: str | bytes, vocab: int, tokenizer=None) -> list[int]:
+  """``text`` as token ids: with the run's ``tokenizer``, its ids; else, for a byte vocabulary, its bytes; else a
+  ValueError. Any bytes encode: a str is taken as UTF-8 with ``surrogateescape`` (how Python reads a command
+  line's bytes that are not UTF-8), so those bytes come back as themselves."""
+  data = text if isinstance(text, bytes) else text.encode("utf-8", "surrogateescape")
+  if tokenizer is not None:
+    from experiments.tasks import tokenizer as tokenizers
+    ids = tokenizers.encode(tokenizer, data)
+    if ids and max(ids) >= vocab:
+      raise ValueError(f"the tokenizer's ids reach {max(ids)}, beyond the run's vocabulary of {vocab}: not the "
+                       "tokenizer this run trained with")
+    return ids
   if vocab != BYTES:
-    raise ValueError(f"this run's vocabulary has {vocab} ids, not {BYTES} bytes: a text prompt has no tokens in it")
-  return list(text.encode("utf-8"))
+    raise ValueError(f"this run's vocabulary has {vocab} ids, not {BYTES} bytes, and the run holds no tokenizer "
+                     f"({TOKENIZER}, data.tokenizer): a text prompt has no tokens in it; give token ids (--prompt_ids)")
+  return list(data)
 
 
-def decode(tokens: list[int]) -> str:
-  """Byte tokens as text (bytes that are not UTF-8 shown as U+FFFD)."""
-  return bytes(tokens).decode("utf-8", errors="replace")
+def decode_bytes(tokens: list[int], tokenizer=None) -> bytes:
+  """The bytes ``tokens`` stand for: the tokenizer's (a special token: its name), else byte tokens themselves;
+  ids a byte vocabulary lacks (a token-id run without its tokenizer) shown as ``<id>``."""
+  if tokenizer is not None:
+    from experiments.tasks import tokenizer as tokenizers
+    return tokenizers.decode(tokenizer, tokens)
+  return b"".join(bytes([t]) if 0 <= t < BYTES else f"<{t}>".encode() for t in tokens)
+
+
+def decode(tokens: list[int], tokenizer=None) -> str:
+  """``tokens`` as text (:func:`decode_bytes`; bytes that are not UTF-8 shown as U+FFFD)."""
+  return decode_bytes(tokens, tokenizer).decode("utf-8", errors="replace")

@@ -14,10 +14,35 @@ from experiments.train.sharding import put_batch
 from experiments.train.steps import TrainState, metric_sums
 
 
+def held_out_bytes(batches, token_bytes) -> float:
+  """The bytes of text the targets of ``batches`` stand for, each as its weight counts it (the denominator of
+  bits per byte); nan where ``token_bytes`` is None (unknown)."""
+  if token_bytes is None:
+    return float("nan")
+  return float(sum((np.asarray(b.weights, np.float64) * token_bytes[np.asarray(b.targets)]).sum() for b in batches))
+
+
+def lm_metrics(loss_sum: float, weight_sum: float, num_bytes: float, byte_vocab: bool = False) -> dict:
+  """A language model's held-out metrics from its summed cross-entropy (nats) over ``weight_sum`` target tokens
+  that stand for ``num_bytes`` bytes of text (nan: unknown): ``eval_bits_per_token``, ``eval_perplexity``
+  (e^(nats per token)), ``eval_bits_per_byte`` = bits per token × tokens / bytes where the bytes are known, and
+  (``byte_vocab``: a token is a byte) ``eval_bpc``, the same bits per byte under the name the byte-level studies
+  report."""
+  nats = loss_sum / weight_sum
+  out = dict(eval_bits_per_token=nats / math.log(2), eval_perplexity=math.exp(min(nats, 700.0)))
+  if math.isfinite(num_bytes) and num_bytes > 0:
+    out["eval_bits_per_byte"] = out["eval_bits_per_token"] * weight_sum / num_bytes
+  if byte_vocab:
+    out["eval_bpc"] = out["eval_bits_per_token"]
+  return out
+
+
 def make_eval(model, task, mesh: Mesh):
-  """``evaluate(state, final=False) -> {eval_loss, eval_accuracy (, eval_bpc)}`` over the task's held-out
-  batches; ``final``: also over each of ``task.length_evals`` (``eval_loss_at_L``, ... for its length L: the
-  model trained at the task's length, run at another without retraining)."""
+  """``evaluate(state, final=False) -> {eval_loss, eval_accuracy (, a language model's metrics)}`` over the
+  task's held-out batches; ``final``: also over each of ``task.length_evals`` (``eval_loss_at_L``, ... for its
+  length L: the model trained at the task's length, run at another without retraining). A language model
+  (``task.metric`` not accuracy) adds :func:`lm_metrics`: bits per token, perplexity, and bits per byte where
+  ``task.token_bytes`` gives each id's bytes."""
   @jax.jit
   def eval_sums(params, favor, batch):
     packed = {} if batch.segment_ids is None else {"segment_ids": batch.segment_ids}
@@ -27,14 +52,17 @@ def make_eval(model, task, mesh: Mesh):
   # Placed once: the held-out set never changes. A batch the data axis does not divide (a short last
   # batch) runs replicated.
   place = lambda held_out: [put_batch(b, mesh, len(b.tokens) % data == 0) for b in held_out]
-  batches = place(task.eval_batches)
-  at_length = [(length, place(held_out)) for length, held_out in task.length_evals]
+  token_bytes = getattr(task, "token_bytes", None)
+  sizes = lambda held_out: held_out_bytes(held_out, token_bytes)  # on the host, once: the set never changes
+  batches = (place(task.eval_batches), sizes(task.eval_batches))
+  at_length = [(length, (place(held_out), sizes(held_out))) for length, held_out in task.length_evals]
 
   def metrics(state, held_out, suffix=""):
-    total = sum(np.asarray(eval_sums(state.params, state.favor, b), np.float64) for b in held_out)
+    placed, num_bytes = held_out
+    total = sum(np.asarray(eval_sums(state.params, state.favor, b), np.float64) for b in placed)
     out = dict(eval_loss=total[0] / total[2], eval_accuracy=total[1] / total[2])
-    if task.metric == "eval_bpc":
-      out["eval_bpc"] = out["eval_loss"] / math.log(2)
+    if task.metric != "eval_accuracy":
+      out.update(lm_metrics(total[0], total[2], num_bytes, byte_vocab=task.metric == "eval_bpc"))
     return {k + suffix: v for k, v in out.items()}
 
   def evaluate(state: TrainState, final: bool = False) -> dict:

@@ -123,12 +123,19 @@ def legend_right(fig, handles=None, labels=None, **kwargs):
                     frameon=False, **kwargs)
 
 
+# A language model's headline metrics, in the order a figure prefers them, with their units: a byte
+# vocabulary's bits per byte (named eval_bpc, bits/char of ASCII text), a tokenizer's bits per byte, bits per token.
+LM_METRICS = {"eval_bpc": "bits/char", "eval_bits_per_byte": "bits/byte", "eval_bits_per_token": "bits/token"}
+
+
 def training_curves(curves: dict[str, list[dict]], path: str, style: dict[str, dict] | None = None) -> str:
   """Train loss and the headline evaluation metric per step, one line per run, in one unit.
 
   Args:
-    curves: a run's name -> its ``metrics.jsonl`` records. Runs that report ``eval_bpc`` (character language
-      models) are shown in bits/char on both panels; the others as loss in nats and eval accuracy.
+    curves: a run's name -> its ``metrics.jsonl`` records. Language models are shown in bits: the train panel in
+      bits per token (bits/char for a byte vocabulary's ``eval_bpc`` runs), the eval panel in the first of
+      ``LM_METRICS`` every run reports (bits/char, bits/byte, bits/token); the others as loss in nats and eval
+      accuracy.
     path: the PNG to write.
     style: a run's name -> its colour, marker and line style (``run_styles``); by default ``run_styles(curves)``.
 
@@ -136,9 +143,12 @@ def training_curves(curves: dict[str, list[dict]], path: str, style: dict[str, d
     ``path``. Each panel's lowest and highest labelled ticks enclose its curves (``ticks_enclose``).
   """
   style = style or run_styles(curves)
-  bpc = all(any("eval_bpc" in r for r in records) for records in curves.values())
+  reported = lambda m: all(any(m in r for r in records) for records in curves.values())
+  metric = next((m for m in LM_METRICS if reported(m)), "eval_accuracy")
+  bpc = metric != "eval_accuracy"  # a language model: losses in bits
   to_unit = (lambda nats: nats / math.log(2)) if bpc else (lambda nats: nats)
-  metric, metric_label = ("eval_bpc", "eval bits/char") if bpc else ("eval_accuracy", "eval accuracy")
+  metric_label = "eval " + LM_METRICS.get(metric, "accuracy")
+  train_unit = "bits/char" if metric == "eval_bpc" else "bits/token" if bpc else "nats"
   fig, (ax_train, ax_eval) = subplots(1, 2, figsize=(10, 3.8))
   shown = {ax_train: [], ax_eval: []}
   for name, records in curves.items():
@@ -150,7 +160,7 @@ def training_curves(curves: dict[str, list[dict]], path: str, style: dict[str, d
     ax_train.plot([r["step"] for r in train], [to_unit(r["train_loss"]) for r in train], label=name, **line)
     ax_eval.plot([r["step"] for r in evals], [r[metric] for r in evals], marker=marker, markersize=4, label=name,
                  **line)
-  ax_train.set(xlabel="step", ylabel=f"train loss ({'bits/char' if bpc else 'nats'}, window mean)")
+  ax_train.set(xlabel="step", ylabel=f"train loss ({train_unit}, window mean)")
   ax_eval.set(xlabel="step", ylabel=metric_label)
   for ax in (ax_train, ax_eval):
     if shown[ax]:

@@ -111,7 +111,9 @@ def run(config, progress, workdir) -> list[dict]:
 
 
 def _main_metric(records):
-  return "eval_bpc" if "eval_bpc" in records[0] else "eval_accuracy"
+  """The headline metric of a study's records: the first of ``plotting.LM_METRICS`` they hold (language models),
+  else eval accuracy."""
+  return next((m for m in plotting.LM_METRICS if m in records[0]), "eval_accuracy")
 
 
 # Fields that make runs the same setting (all but the seed): mean_over_seeds groups on them.
@@ -222,14 +224,26 @@ def summarize(records: list[dict], config) -> str:
   lines += ["F: feature dimension per head (– for softmax); state: numbers per layer and sequence kept to decode "
             "the next token (softmax: its key-value cache at the training length L; for an encoder task, what a "
             "causal layer of the same shape would keep).\n"]
-  columns = ["run", "attention", "F", "L", "kv pairs", "seed", "steps", "eval loss", metric, "best eval acc",
-             "state", "steps/s", "tokens/s", "MFU"]
+  # A tokenizer's runs: bits per token and perplexity beside the headline bits per byte (a byte vocabulary's are
+  # its bits per byte and 2^bpc)
+  extra = [(k, label) for k, label in (("eval_bits_per_token", "eval bits/token"), ("eval_perplexity", "perplexity"))
+           if metric in ("eval_bits_per_byte", "eval_bits_per_token") and k != metric]
+  columns = ["run", "attention", "F", "L", "kv pairs", "seed", "steps", "eval loss", metric,
+             *(label for _, label in extra), "best eval acc", "state", "steps/s", "tokens/s", "MFU"]
   lines += markdown_table(columns, [
       [r["name"], setting(r), str(r["features"] or "–"), str(r["seq_len"]), str(r["num_kv_pairs"] or ""),
        str(r["seed"]), str(r["steps"]), f"{r['eval_loss']:.4f}", f"{r[metric]:.4f}",
+       *(f"{r[k]:.4f}" if k in r else "" for k, _ in extra),
        f"{r['best_eval_accuracy']:.4f}", str(r["state_size"]), f"{r['steps_per_s']:.2f}",
        f"{r['tokens_per_s']:,.0f}" if "tokens_per_s" in r else "", f"{r['mfu']:.2%}" if "mfu" in r else ""]
       for r in records])
+  if metric == "eval_bits_per_byte":
+    lines += ["", f"{metric}: held-out bits per byte of text = bits per token × the held-out target tokens / the "
+              "bytes they stand for (data.tokenizer's); bits per byte compare runs of different tokenizers, bits "
+              "per token and perplexity only runs of the same one."]
+  elif metric == "eval_bits_per_token":
+    lines += ["", f"{metric}: held-out bits per token; the token file's tokenizer is not given (data.tokenizer), so "
+              "the bytes per token and bits per byte are unknown."]
   if any("mfu" in r for r in records):
     lines += ["", "tokens/s and MFU: the last logging window's rate (this process's clock); MFU = tokens/s × model "
               "FLOPs per token (train: 3 × forward, attention included; docs/training.md) / the devices' peak "

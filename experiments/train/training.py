@@ -40,6 +40,7 @@ from experiments.train.checkpointing import (
   check_resumed_config,
   open_checkpoints,
   record_run_config,
+  record_tokenizer,
   run_fields,
   run_lock,
 )
@@ -154,6 +155,7 @@ def _train(config, workdir: str, progress, init_params) -> tuple[list[dict], Tra
   step, position = int(state.step), int(state.data_position)
   if step == 0:  # a fresh start (a record of a run that never checkpointed is replaced)
     record_run_config(workdir, config)
+  record_tokenizer(workdir, config, fresh=step == 0)
   # Resumed: the records through the restored step. A fresh start keeps none (those of a run that never
   # checkpointed, whatever its config, would sit beside this run's).
   log = MetricsLog(os.path.join(workdir, "metrics.jsonl"), keep_through=step if step > 0 else -1)

@@ -113,7 +113,8 @@ def test_generate_refuses_bad_arguments_by_name(run_dir, tmp_path):
   workdir, _, _ = run_dir
   config, loaded, _ = generation.load_run(workdir)
   for kwargs, message in [(dict(max_new_tokens=0), "max_new_tokens must be an int >= 1, got 0"),
-                          (dict(temperature=-1.0), "temperature must be >= 0"),
+                          (dict(temperature=-1.0), "temperature must be a finite number >= 0"),
+                          (dict(temperature=float("inf")), "temperature must be a finite number >= 0"),
                           (dict(top_k=300), r"top_k must be an int in \[0, 256\]")]:
     with pytest.raises(ValueError, match=message):
       generation.generate(config, loaded, [[1, 2]], **{"max_new_tokens": 2, **kwargs})
@@ -121,6 +122,53 @@ def test_generate_refuses_bad_arguments_by_name(run_dir, tmp_path):
     generation.generate(config, loaded, [[1], []], 2)
   with pytest.raises(ValueError, match="holds no checkpoint"):
     generation.load_run(str(tmp_path))
-  with pytest.raises(ValueError, match="has 64 ids, not 256 bytes"):
+  with pytest.raises(ValueError, match="has 64 ids, not 256 bytes, and the run holds no tokenizer"):
     generation.encode("hi", 64)
   assert os.path.exists(os.path.join(os.path.dirname(workdir), "config.json"))
+
+
+def test_temperatures_whose_quotient_overflows_sample_the_most_likely_token():
+  """Below float32's smallest normal number 1/temperature overflows (and the temperature itself rounds to 0 below
+  ~7e-46); such temperatures, and any small one over large logits, give the argmax, as temperature 0 does."""
+  logits = jnp.asarray([[3.0, 50.0, -2.0, 49.0], [100.0, -100.0, 0.0, 99.0]])
+  greedy = np.argmax(np.asarray(logits), -1).tolist()
+  for temperature in (1e-30, generation.MIN_TEMPERATURE, 1e-39, 1e-45, 5e-324):
+    for top_k in (0, 2):
+      for seed in range(3):
+        got = generation.sample(logits, jax.random.PRNGKey(seed), temperature, top_k)
+        assert np.asarray(got).tolist() == greedy, (temperature, top_k, seed)
+  generation.check_sampling(4, 1e-39, 0, 256)  # accepted: it behaves as greedy
+  for bad in (float("nan"), float("inf"), -1e-39):
+    with pytest.raises(ValueError, match="temperature must be a finite number >= 0"):
+      generation.check_sampling(4, bad, 0, 256)
+
+
+def test_a_prompt_of_any_bytes_encodes_as_its_bytes():
+  raw = bytes([0x52, 0xFF, 0xC3, 0x80, 0xFE, 0x00])
+  as_argv = raw.decode("utf-8", "surrogateescape")  # how Python hands a command line's bytes to the program
+  assert generation.encode(as_argv, 256) == list(raw) == generation.encode(raw, 256)
+  assert generation.decode_bytes(list(raw)) == raw
+  assert generation.decode(list(raw)) == raw.decode("utf-8", "replace")
+
+
+def test_generation_skips_a_damaged_newest_checkpoint_as_training_does(run_dir, tmp_path):
+  """A newer checkpoint whose manifest is zeroed (orbax: OUT_OF_RANGE) is named and skipped; the one before it
+  is loaded, and nothing is moved (generation only reads the run)."""
+  import shutil
+  workdir, model, variables = run_dir
+  study = tmp_path / "study"
+  shutil.copytree(os.path.dirname(workdir), study)
+  run = study / os.path.basename(workdir)
+  shutil.copytree(run / "checkpoints" / "3", run / "checkpoints" / "7")
+  manifest = run / "checkpoints" / "7" / "default" / "manifest.ocdbt"
+  manifest.write_bytes(bytes(manifest.stat().st_size))
+  said = []
+  config, loaded, step = generation.load_run(str(run), said.append)
+  assert step == 3 and len(said) == 1 and said[0].startswith("the checkpoint at step 7 cannot be restored")
+  for a, b in zip(jax.tree.leaves(loaded["params"]), jax.tree.leaves(variables["params"])):
+    np.testing.assert_array_equal(a, b)
+  assert sorted(os.listdir(run / "checkpoints")) == ["3", "7"]
+  manifest3 = run / "checkpoints" / "3" / "default" / "manifest.ocdbt"
+  manifest3.write_bytes(bytes(manifest3.stat().st_size))
+  with pytest.raises(ValueError, match=r"no checkpoint in .* can be restored \(step 7: .*; step 3: "):
+    generation.load_run(str(run))

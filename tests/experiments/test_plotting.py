@@ -155,3 +155,23 @@ def _same_path(a, b):
 def _marker_paths():
   from matplotlib.markers import MarkerStyle
   return {m: MarkerStyle(m).get_path().transformed(MarkerStyle(m).get_transform()) for m in plotting.MARKERS}
+
+
+def test_a_token_runs_curves_are_labelled_bits_per_token_and_per_byte(kept_figures):
+  """A tokenizer's run: the train panel in bits per token, the eval panel in its held-out bits per byte (not
+  "bits/char"); without the bytes, bits per token on both."""
+  evals = [dict(kind="eval", step=s, eval_loss=loss, eval_bits_per_token=loss / math.log(2),
+                eval_bits_per_byte=loss / math.log(2) / 2.5, eval_perplexity=math.exp(loss), eval_accuracy=0.1)
+           for s, loss in ((0, 6.0), (20, 4.0))]
+  records = [evals[0], dict(kind="train", step=10, train_loss=5.0), dict(kind="train", step=20, train_loss=4.5),
+             evals[1]]
+  plotting.training_curves({"bpe": records}, "/nonexistent")
+  unknown = [{k: v for k, v in r.items() if k != "eval_bits_per_byte"} for r in records]
+  plotting.training_curves({"ids": unknown}, "/nonexistent")
+  with_bytes, without = kept_figures
+  assert list(with_bytes.axes[0].get_lines()[0].get_ydata()) == pytest.approx([5.0 / math.log(2), 4.5 / math.log(2)])
+  assert list(with_bytes.axes[1].get_lines()[0].get_ydata()) == pytest.approx([6.0 / math.log(2) / 2.5,
+                                                                               4.0 / math.log(2) / 2.5])
+  assert with_bytes.axes[0].get_ylabel().startswith("train loss (bits/token")
+  assert with_bytes.axes[1].get_ylabel() == "eval bits/byte"
+  assert without.axes[1].get_ylabel() == "eval bits/token" and "bits/char" not in without.axes[0].get_ylabel()
