@@ -193,7 +193,7 @@ def training_config(name: str, task: str, quick: bool) -> ml_collections.ConfigD
   config.train.stop_after = 0  # stop (with a checkpoint) after this step (preemptible jobs); 0 = train.steps
 
   config.mesh = ml_collections.ConfigDict()
-  config.mesh.data = 1  # devices on the "data" axis: the batch is split over them
+  config.mesh.data = 1  # devices on the "data" axis: the batch is split over them (-1: every device present)
   config.mesh.sequence = 1  # devices on the "sequence" axis: FAVOR layers split the sequence over them
   config.mesh.fsdp = False  # also split parameters and optimiser state over "data" (for large models)
   config.mesh.distributed = False  # call jax.distributed.initialize() first (multi-host launches)

@@ -30,6 +30,7 @@ def get_config(arg=None):
   config.data.eval_lengths = ()  # final evaluation also at these lengths (as many tokens each)
   config.model.update(d_model=256, num_layers=4, num_heads=4, mlp_dim=1024)  # 3.2M parameters at vocab 256
   config.attention.update(type="favor", kernel="positive", num_features=64, window=64, forget_gate=True)
+  config.mesh.data = -1  # the batch split over every device present (a number: that many; the rest idle, said so)
   config.train.update(steps=5000, batch_size=32, lr=1e-3, warmup_steps=200, eval_every=500, checkpoint_every=500)
   if quick:
     config.data.update(seq_len=128, num_eval_batches=4)

@@ -88,7 +88,8 @@ def final_record(name: str, config, records: list[dict]) -> dict:
       train_loss=trains[-1]["train_loss"], **{k: v for k, v in evals[-1].items() if k.startswith("eval_")},
       best_eval_accuracy=max(r["eval_accuracy"] for r in evals),
       steps_per_s=trains[-1].get("steps_per_s", float("nan")),
-      **{k: trains[-1][k] for k in ("tokens_per_s", "mfu", "flops_per_token", "peak") if k in trains[-1]})
+      **{k: trains[-1][k] for k in ("tokens_per_s", "mfu", "flops_per_token", "peak", "devices", "devices_present")
+         if k in trains[-1]})
 
 
 def run(config, progress, workdir) -> list[dict]:
@@ -234,6 +235,11 @@ def summarize(records: list[dict], config) -> str:
     lines += ["", "tokens/s and MFU: the last logging window's rate (this process's clock); MFU = tokens/s × model "
               "FLOPs per token (train: 3 × forward, attention included; docs/training.md) / the devices' peak "
               f"({next(r['peak'] for r in records if 'peak' in r)})."]
+  idle = [r for r in records if r.get("devices", 0) < r.get("devices_present", 0)]
+  if idle:
+    lines += ["", "Idle devices: " + "; ".join(f"{r['name']} trained on {r['devices']} of the {r['devices_present']} "
+                                                "devices present" for r in idle)
+              + " (its mesh.data × mesh.sequence; mesh.data=-1 takes every device)."]
   if len(settings) < len(records):
     lines += ["", f"## Mean over seeds ({metric}; spread = max − min)", ""]
     lines += markdown_table(
