@@ -18,6 +18,9 @@ def get_config(arg=None):
   quick = common.is_quick(arg)
   config = common.training_config("text", "text", quick)
   config.data.path = ""  # a file or folder of files read as bytes (vocab 256); "" (and no token_file): Shakespeare
+  # data.glob: keep only the data.path folder's files whose path relative to it matches (fnmatch; * also crosses
+  # folders): "*.txt" takes every .txt file below it; "" takes every file that is not hidden
+  config.data.glob = ""
   config.data.token_file = ""  # token ids instead: a .npy array, or raw data.token_dtype with data.vocab_size
   config.data.token_dtype = "uint16"  # a raw token file's ids: "uint16" or "uint32" (little-endian)
   config.data.vocab_size = 0  # the token file's vocabulary (0: bytes' 256, or a .npy file's largest id + 1)
