@@ -8,6 +8,8 @@ import tempfile
 
 import ml_collections
 
+from experiments.train import paths
+
 
 def is_quick(arg) -> bool:
   """Whether ``get_config(arg)`` is asked for the quick version: ``arg`` is the text after ':' in
@@ -122,10 +124,27 @@ def check_overrides(config, overrides: dict) -> None:
 
 
 def check_workdir(path, what: str = "--workdir") -> str:
-  """Creates the directory ``path`` if needed; a ValueError naming ``what`` when it cannot be written to."""
+  """Creates the directory ``path`` if needed; a ValueError naming ``what`` when it cannot be written to.
+
+  ``path`` is a local path or a URL the path layer writes to (``gs://bucket/run``, its package installed:
+  ``experiments.train.paths``); any other scheme is an error, never a local folder named after it. A URL is
+  returned as it is (without a trailing slash), once a probe object has been written and removed there.
+  """
   if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
     raise ValueError(f"{what} must be a directory path, got {path!r}")
   path = os.fspath(path)
+  checked = paths.check(path, what)  # a scheme nothing writes to, or a gs:// URL without its package: stops here
+  if paths.is_url(path):
+    path = checked
+    probe = f"{path}/.write_test"
+    try:
+      paths.makedirs(path)
+      paths.write_text(probe, "")
+      paths.remove(probe)
+    except Exception as e:  # fsspec backends raise their own types (auth, permission, network)
+      raise ValueError(f"{what}={path} cannot be written to ({type(e).__name__}: {e}): check the bucket's "
+                       "name and your credentials (gcloud auth application-default login)") from e
+    return path
   ancestor = os.path.abspath(path)
   while not os.path.exists(ancestor):
     ancestor = os.path.dirname(ancestor)

@@ -19,7 +19,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from experiments.configs import common
-from experiments.train import models
+from experiments.train import models, paths
 from experiments.train.checkpointing import ITEM, RUN_CONFIG
 
 BYTES = 256  # a vocabulary of this size is bytes: prompts are UTF-8 text, outputs decoded back
@@ -33,23 +33,21 @@ def load_run(workdir: str) -> tuple[ml_collections.ConfigDict, dict, int]:
   Raises:
     ValueError: if ``workdir`` holds no checkpoint, or no config.json beside or above it.
   """
-  workdir = os.path.abspath(workdir)
+  workdir = paths.check(workdir)  # a local path made absolute, or a gs:// URL (its package installed)
   directory = os.path.join(workdir, "checkpoints")
-  steps = ocp.CheckpointManager(directory).all_steps() if os.path.isdir(directory) else []
+  steps = ocp.CheckpointManager(directory).all_steps() if paths.is_dir(directory) else []
   if not steps:
     raise ValueError(f"--workdir={workdir} holds no checkpoint (checkpoints/STEP): give a run's directory, the "
                      "one with checkpoints/ and run_config.json (a study's WORKDIR/RUN_NAME)")
-  found = [p for p in (os.path.join(workdir, "config.json"), os.path.join(os.path.dirname(workdir), "config.json"))
-           if os.path.exists(p)]
+  found = [p for p in (os.path.join(workdir, "config.json"), os.path.join(paths.parent(workdir), "config.json"))
+           if paths.exists(p)]
   if not found:
     raise ValueError(f"no config.json in {workdir} or the directory above it (experiments.main writes it): the "
                      "run's model cannot be rebuilt without it")
-  with open(found[0]) as f:
-    config = ml_collections.ConfigDict(json.load(f)["config"])
+  config = ml_collections.ConfigDict(json.loads(paths.read_text(found[0]))["config"])
   run_config = os.path.join(workdir, RUN_CONFIG)
-  if os.path.exists(run_config):
-    with open(run_config) as f:
-      common.set_fields(config, json.load(f), what=f"{RUN_CONFIG} field")
+  if paths.exists(run_config):
+    common.set_fields(config, json.loads(paths.read_text(run_config)), what=f"{RUN_CONFIG} field")
   step = max(steps)
   restored = ocp.StandardCheckpointer().restore(os.path.join(directory, str(step), ITEM))
   state = restored if isinstance(restored, dict) else dict(enumerate(restored))

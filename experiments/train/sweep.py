@@ -16,7 +16,7 @@ import jax
 
 from experiments.configs import common
 from experiments.tasks import listops
-from experiments.train import flops, models, plotting, training
+from experiments.train import flops, models, paths, plotting, training
 
 
 def variant_configs(config) -> list[tuple[str, object]]:
@@ -278,11 +278,11 @@ def plot(records: list[dict], config, workdir: str) -> list[str]:
   point per setting): each run in the colour, marker and label it has in every figure of the study."""
   curves = {}
   for r in records:
-    with open(os.path.join(workdir, r["name"], "metrics.jsonl")) as f:
-      curves[r["name"]] = [json.loads(line) for line in f]
+    text = paths.read_text(os.path.join(workdir, r["name"], "metrics.jsonl"))
+    curves[r["name"]] = [json.loads(line) for line in text.splitlines()]
   style = plotting.run_styles(curves)
-  paths = [plotting.training_curves(curves, os.path.join(workdir, "curves.png"), style)]
+  written = [plotting.training_curves(curves, os.path.join(workdir, "curves.png"), style)]
   metric = _main_metric(records)
-  paths.append(plotting.quality_vs_state(mean_over_seeds(records, metric), metric, style,
-                                         os.path.join(workdir, "state.png")))
-  return paths
+  written.append(plotting.quality_vs_state(mean_over_seeds(records, metric), metric, style,
+                                           os.path.join(workdir, "state.png")))
+  return written

@@ -145,8 +145,8 @@ def train(config, workdir: str, progress=print, init_params=None) -> tuple[list[
   its shards of every batch, all write their shards of each checkpoint, and process 0 writes the metrics.
   """
   check_config(config)
-  common.check_workdir(workdir, "the run directory")
-  with run_lock(workdir):
+  workdir = common.check_workdir(workdir, "the run directory")  # a local path, or a gs:// URL
+  with run_lock(workdir, progress):
     return _train(config, workdir, progress, init_params)
 
 
