@@ -129,7 +129,7 @@ def run(config, workdir, overrides=None) -> list[dict]:
   """Runs ``config``'s study (checked by :func:`prepare` first)."""
   config, study = prepare(config, overrides)
   cluster = cluster_arguments(config.mesh) if config.get("mesh") is not None else None
-  workdir = common.check_workdir(workdir)
+  workdir = paths.check_workdir(workdir)
   if cluster is not None and config.mesh.distributed:
     try:
       jax.distributed.initialize(**cluster)  # multi-host: the rest of the cluster from the environment

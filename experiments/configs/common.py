@@ -1,14 +1,10 @@
 """Fields every training config shares (model, attention, optimiser, logging); each config overrides some.
 
-Also the rules every study shares: the quick version, dotted overrides, variants, the work directory.
+Also the rules every study shares: the quick version, dotted overrides, variants (the work directory's are
+``experiments.train.paths.check_workdir``'s).
 """
 
-import os
-import tempfile
-
 import ml_collections
-
-from experiments.train import paths
 
 
 def is_quick(arg) -> bool:
@@ -121,45 +117,6 @@ def check_overrides(config, overrides: dict) -> None:
                      + "\n  ".join(lines) + "\nRun only variants that leave the field alone "
                      "(--config.only=NAMES), give the runs you want (--config.variants=...), or edit the "
                      "variants in the config file.")
-
-
-def check_workdir(path, what: str = "--workdir") -> str:
-  """Creates the directory ``path`` if needed; a ValueError naming ``what`` when it cannot be written to.
-
-  ``path`` is a local path or a URL the path layer writes to (``gs://bucket/run``, its package installed:
-  ``experiments.train.paths``); any other scheme is an error, never a local folder named after it. A URL is
-  returned as it is (without a trailing slash), once a probe object has been written and removed there.
-  """
-  if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
-    raise ValueError(f"{what} must be a directory path, got {path!r}")
-  path = os.fspath(path)
-  checked = paths.check(path, what)  # a scheme nothing writes to, or a gs:// URL without its package: stops here
-  if paths.is_url(path):
-    path = checked
-    probe = f"{path}/.write_test"
-    try:
-      paths.makedirs(path)
-      paths.write_text(probe, "")
-      paths.remove(probe)
-    except Exception as e:  # fsspec backends raise their own types (auth, permission, network)
-      raise ValueError(f"{what}={path} cannot be written to ({type(e).__name__}: {e}): check the bucket's "
-                       "name and your credentials (gcloud auth application-default login)") from e
-    return path
-  ancestor = os.path.abspath(path)
-  while not os.path.exists(ancestor):
-    ancestor = os.path.dirname(ancestor)
-  if not os.path.isdir(ancestor):
-    where = "" if ancestor == os.path.abspath(path) else f" lies under {ancestor}, which"
-    raise ValueError(f"{what}={path}{where} is a file, not a directory: give a directory (one that does "
-                     "not exist yet is created)")
-  try:
-    os.makedirs(path, exist_ok=True)
-    with tempfile.TemporaryFile(dir=path):  # writing a file is the test that holds for ACLs, mounts and root
-      pass
-  except OSError as e:
-    problem = "is not writable" if os.path.isdir(path) else "cannot be created"
-    raise ValueError(f"{what}={path} {problem} ({e.strerror}): give a directory you can write to") from e
-  return path
 
 
 def training_config(name: str, task: str, quick: bool) -> ml_collections.ConfigDict:

@@ -41,4 +41,5 @@ def get_config(arg=None):
     config.attention.update(num_features=32, window=16)
     config.train.update(steps=200, batch_size=16, lr=3e-3, warmup_steps=20, log_every=25, eval_every=100,
                         checkpoint_every=100)
+    config.mesh.data = 1  # one device, as the committed CPU run (experiments/results/text_cpu) trained
   return config

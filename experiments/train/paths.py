@@ -22,6 +22,7 @@ import io
 import os
 import posixpath
 import re
+import tempfile
 
 from etils import epath
 
@@ -90,6 +91,53 @@ def check(path, what: str = "--workdir") -> str:
   if not bucket:
     raise ValueError(f"{what}={text} names no bucket: give {url_scheme}://BUCKET/PATH")
   return text.rstrip("/")
+
+
+def check_workdir(path, what: str = "--workdir") -> str:
+  """Creates the run (or study) directory ``path`` if needed and checks that it can be written to.
+
+  Args:
+    path: a local path, or a URL of a scheme this module writes to (``gs://bucket/run``, its package installed).
+    what: the flag or field that gave it, for the error message.
+
+  Returns:
+    ``path`` as given for a local one; a URL without its trailing slash, once a probe object has been written
+    and removed there (the bucket and the credentials checked before anything trains).
+
+  Raises:
+    ValueError: naming ``what``: not a path, a file, not writable, a scheme nothing here writes to (never taken
+      for a local folder), or a ``gs://`` URL without its package.
+  """
+  if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
+    raise ValueError(f"{what} must be a directory path, got {path!r}")
+  path = os.fspath(path)
+  checked = check(path, what)  # a scheme nothing writes to, or a gs:// URL without its package: stops here
+  if is_url(path):
+    path = checked
+    probe = f"{path}/.write_test"
+    try:
+      makedirs(path)
+      write_text(probe, "")
+      remove(probe)
+    except Exception as e:  # fsspec backends raise their own types (auth, permission, network)
+      raise ValueError(f"{what}={path} cannot be written to ({type(e).__name__}: {e}): check the bucket's "
+                       "name and your credentials (gcloud auth application-default login)") from e
+    return path
+  ancestor = os.path.abspath(path)
+  while not os.path.exists(ancestor):
+    ancestor = os.path.dirname(ancestor)
+  if not os.path.isdir(ancestor):
+    where = "" if ancestor == os.path.abspath(path) else f" lies under {ancestor}, which"
+    raise ValueError(f"{what}={path}{where} is a file, not a directory: give a directory (one that does "
+                     "not exist yet is created)")
+  try:
+    os.makedirs(path, exist_ok=True)
+    with tempfile.TemporaryFile(dir=path):  # writing a file is the test that holds for ACLs, mounts and root
+      pass
+  except OSError as e:
+    problem = "is not writable" if os.path.isdir(path) else "cannot be created"
+    raise ValueError(f"{what}={path} {problem} ({e.strerror}): give a directory you can write to") from e
+  return path
 
 
 def path(p) -> epath.Path:

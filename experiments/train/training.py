@@ -31,8 +31,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from experiments import tasks
-from experiments.configs import common
-from experiments.train import flops, models
+from experiments.train import flops, models, paths
 from experiments.train.checkpointing import (
   MAY_CHANGE_ON_RESUME,
   NOT_OF_THE_RUN,
@@ -145,7 +144,7 @@ def train(config, workdir: str, progress=print, init_params=None) -> tuple[list[
   its shards of every batch, all write their shards of each checkpoint, and process 0 writes the metrics.
   """
   check_config(config)
-  workdir = common.check_workdir(workdir, "the run directory")  # a local path, or a gs:// URL
+  workdir = paths.check_workdir(workdir, "the run directory")  # a local path, or a gs:// URL
   with run_lock(workdir, progress):
     return _train(config, workdir, progress, init_params)
 

@@ -35,7 +35,7 @@ def test_gs_without_its_package_is_refused_by_name_and_no_local_folder_is_made(t
   monkeypatch.setattr(paths, "installed", lambda module: False)  # as on a machine without gcsfs
   with pytest.raises(ValueError, match=r"--workdir=gs://my-bucket/lm_base is a gs:// URL, but gcsfs, "
                                        r"google-cloud-storage are not installed: pip install \"favor_jax\[gcs\]\""):
-    common.check_workdir("gs://my-bucket/lm_base")
+    paths.check_workdir("gs://my-bucket/lm_base")
   with pytest.raises(ValueError, match="gcsfs"):  # experiments.generate reads a run through the same check
     generate.run("gs://my-bucket/lm_base/run", ["x"], 1)
   assert os.listdir(tmp_path) == []  # today's bug: ./gs:/my-bucket/lm_base
@@ -55,7 +55,7 @@ def test_main_refuses_a_gs_workdir_without_its_package_before_training(tmp_path,
 def test_a_scheme_nothing_writes_to_is_an_error_never_a_local_folder(tmp_path, monkeypatch, url):
   monkeypatch.chdir(tmp_path)
   with pytest.raises(ValueError, match=r"--workdir=.*(not one a run directory can use|looks like a URL)"):
-    common.check_workdir(url)
+    paths.check_workdir(url)
   assert os.listdir(tmp_path) == []
 
 
@@ -65,7 +65,7 @@ def test_urls_keep_their_scheme_where_a_local_path_is_made_absolute(tmp_path, mo
   assert paths.parent("gs://b/study/run") == "gs://b/study" and paths.parent("gs://b/run") == "gs://b"
   assert paths.absolute("runs/a") == str(tmp_path / "runs" / "a")
   assert paths.parent("runs/a") == str(tmp_path / "runs")
-  assert common.check_workdir("runs/a") == "runs/a" and (tmp_path / "runs" / "a").is_dir()
+  assert paths.check_workdir("runs/a") == "runs/a" and (tmp_path / "runs" / "a").is_dir()
 
 
 # --- a whole run in an in-process bucket (slow) -------------------------------------------------------------
