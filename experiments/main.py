@@ -3,6 +3,7 @@
     python -m experiments.main --config=experiments/configs/NAME.py[:quick] --workdir=DIR \
         [--config.FIELD=VALUE ...]
 
+DIR is a local path or a ``gs://BUCKET/PATH`` URL (with ``pip install -e ".[gcs]"``; ``experiments.train.paths``).
 ``NAME.py:quick`` runs the config's quick version (its ``get_config("quick")``);
 ``--config.quick=True`` asks for the same. Writes DIR/config.json (the config
 as run, ``quick`` included), DIR/results.json (a list of flat records),
