@@ -16,13 +16,14 @@ import os
 import numpy as np
 import pytest
 from etils.epath import backend as epath_backend
+from etils.epath import gpath as epath_gpath
 from fsspec.implementations.dirfs import DirFileSystem
 from fsspec.implementations.local import LocalFileSystem
 from orbax.checkpoint._src.path import gcs_utils
 
 from experiments import generate, main
 from experiments.configs import common, text
-from experiments.train import paths, training
+from experiments.train import metrics, paths, training
 
 TIMING = set(training.TIMING_FIELDS)
 
@@ -99,6 +100,9 @@ def bucket(tmp_path, monkeypatch):
     return {"driver": "file", "path": str(root / name / inside)}
 
   monkeypatch.setattr(gcs_utils, "get_kvstore_for_gcs", kvstore)
+  # Where TensorFlow or tensorboardX is installed they would write gs:// through their own clients (the network).
+  monkeypatch.setattr(epath_gpath, "_is_tf_installed", lambda: False)
+  monkeypatch.setattr(metrics, "_tensorboard", lambda logdir: None)
   epath_backend.fsspec_backend._get_filesystem.cache_clear()
   cwd = tmp_path / "cwd"
   cwd.mkdir()
