@@ -6,11 +6,12 @@ import os
 import subprocess
 import sys
 
+import ml_collections
 import pytest
 
 from experiments import local_cluster
-
-pytestmark = pytest.mark.slow  # a subprocess that trains twice (a few steps of the tiny config)
+from experiments.configs import common, tiny
+from experiments.train import sharding, training
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = """
@@ -38,6 +39,21 @@ print("RESULT " + json.dumps(out))
 """
 
 
+def test_mesh_shape_of_minus_one_is_every_device_the_sequence_axis_leaves():
+  mesh = lambda data, sequence: ml_collections.ConfigDict(dict(data=data, sequence=sequence))
+  assert sharding.mesh_shape(mesh(-1, 1), 8) == (8, 1) and sharding.mesh_shape(mesh(-1, 4), 8) == (2, 4)
+  assert sharding.mesh_shape(mesh(2, 2), 8) == (2, 2)  # a smaller mesh is allowed (and reported)
+  with pytest.raises(ValueError, match="mesh.sequence=3 does not divide the 8 devices"):
+    sharding.mesh_shape(mesh(-1, 3), 8)
+  with pytest.raises(ValueError, match="= 16 devices, but only 8 exist"):
+    sharding.mesh_shape(mesh(4, 4), 8)
+  training.check_config(common.set_fields(tiny.get_config(), {"mesh.data": -1}))
+  for bad in (0, -2):
+    with pytest.raises(ValueError, match=rf"mesh.data \(or -1: every device\) must be a positive int, got {bad}"):
+      training.check_config(common.set_fields(tiny.get_config(), {"mesh.data": bad}))
+
+
+@pytest.mark.slow  # a subprocess that trains twice (a few steps of the tiny config)
 def test_mesh_data_minus_one_takes_every_device_and_a_smaller_mesh_is_reported(tmp_path):
   env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": local_cluster.xla_flags(8), "PYTHONPATH": REPO}
   proc = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path)], cwd=REPO, env=env, capture_output=True,
