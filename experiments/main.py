@@ -3,6 +3,7 @@
     python -m experiments.main --config=experiments/configs/NAME.py[:quick] --workdir=DIR \
         [--config.FIELD=VALUE ...]
 
+DIR is a local path or a ``gs://BUCKET/PATH`` URL (with ``pip install -e ".[gcs]"``; ``experiments.train.paths``).
 ``NAME.py:quick`` runs the config's quick version (its ``get_config("quick")``);
 ``--config.quick=True`` asks for the same. Writes DIR/config.json (the config
 as run, ``quick`` included), DIR/results.json (a list of flat records),
@@ -38,9 +39,11 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 from experiments.configs import common
+from experiments.train import paths
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "experiment config file")
-_WORKDIR = flags.DEFINE_string("workdir", None, "directory for config.json, results.json, summary.md, plots")
+_WORKDIR = flags.DEFINE_string("workdir", None, "directory for config.json, results.json, summary.md, plots: a "
+                               "local path or gs://BUCKET/PATH (with gcsfs installed)")
 flags.mark_flags_as_required(["config", "workdir"])
 
 # config.experiment -> module with run(config, progress, workdir), summarize(records, config),
@@ -127,7 +130,7 @@ def run(config, workdir, overrides=None) -> list[dict]:
   """Runs ``config``'s study (checked by :func:`prepare` first)."""
   config, study = prepare(config, overrides)
   cluster = cluster_arguments(config.mesh) if config.get("mesh") is not None else None
-  workdir = common.check_workdir(workdir)
+  workdir = paths.check_workdir(workdir)
   if cluster is not None and config.mesh.distributed:
     try:
       jax.distributed.initialize(**cluster)  # multi-host: the rest of the cluster from the environment
@@ -138,7 +141,7 @@ def run(config, workdir, overrides=None) -> list[dict]:
   writer = jax.process_index() == 0  # multi-host: every process runs the study, process 0 writes its files
   # config.json describes results.json: a directory that holds results keeps its config.json until new results
   # replace both (a rerun that stops, is refused or crashes must not relabel the results already there).
-  if writer and not os.path.exists(os.path.join(workdir, "results.json")):
+  if writer and not paths.exists(os.path.join(workdir, "results.json")):
     write_config(config, workdir)
   start = time.time()
   records = study.run(config, progress=lambda msg: print(f"[{time.time() - start:7.1f}s] {msg}", flush=True),
@@ -147,10 +150,8 @@ def run(config, workdir, overrides=None) -> list[dict]:
   summary += f"\nMachine: {machine()}\n"
   if writer:
     write_config(config, workdir)
-    with open(os.path.join(workdir, "results.json"), "w") as f:
-      json.dump(records, f, indent=1)
-    with open(os.path.join(workdir, "summary.md"), "w") as f:
-      f.write(summary)
+    paths.write_text(os.path.join(workdir, "results.json"), json.dumps(records, indent=1))
+    paths.write_text(os.path.join(workdir, "summary.md"), summary)
     for path in study.plot(records, config, workdir):
       print("wrote", path)
   print(summary)
@@ -159,10 +160,8 @@ def run(config, workdir, overrides=None) -> list[dict]:
 
 def write_config(config, workdir: str) -> None:
   """``workdir/config.json``: the config as run and this machine, replaced whole."""
-  path = os.path.join(workdir, "config.json")
-  with open(path + ".tmp", "w") as f:
-    json.dump(dict(config=config.to_dict(), machine=machine()), f, indent=1, default=str)
-  os.replace(path + ".tmp", path)
+  paths.write_text(os.path.join(workdir, "config.json"),
+                   json.dumps(dict(config=config.to_dict(), machine=machine()), indent=1, default=str))
 
 
 def cluster_arguments(mesh) -> dict:

@@ -1,10 +1,8 @@
 """Fields every training config shares (model, attention, optimiser, logging); each config overrides some.
 
-Also the rules every study shares: the quick version, dotted overrides, variants, the work directory.
+Also the rules every study shares: the quick version, dotted overrides, variants (the work directory's are
+``experiments.train.paths.check_workdir``'s).
 """
-
-import os
-import tempfile
 
 import ml_collections
 
@@ -121,28 +119,6 @@ def check_overrides(config, overrides: dict) -> None:
                      "variants in the config file.")
 
 
-def check_workdir(path, what: str = "--workdir") -> str:
-  """Creates the directory ``path`` if needed; a ValueError naming ``what`` when it cannot be written to."""
-  if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
-    raise ValueError(f"{what} must be a directory path, got {path!r}")
-  path = os.fspath(path)
-  ancestor = os.path.abspath(path)
-  while not os.path.exists(ancestor):
-    ancestor = os.path.dirname(ancestor)
-  if not os.path.isdir(ancestor):
-    where = "" if ancestor == os.path.abspath(path) else f" lies under {ancestor}, which"
-    raise ValueError(f"{what}={path}{where} is a file, not a directory: give a directory (one that does "
-                     "not exist yet is created)")
-  try:
-    os.makedirs(path, exist_ok=True)
-    with tempfile.TemporaryFile(dir=path):  # writing a file is the test that holds for ACLs, mounts and root
-      pass
-  except OSError as e:
-    problem = "is not writable" if os.path.isdir(path) else "cannot be created"
-    raise ValueError(f"{what}={path} {problem} ({e.strerror}): give a directory you can write to") from e
-  return path
-
-
 def training_config(name: str, task: str, quick: bool) -> ml_collections.ConfigDict:
   config = ml_collections.ConfigDict()
   config.experiment = "train"  # experiments.main runs experiments.train.sweep: one training run per variant
@@ -193,7 +169,7 @@ def training_config(name: str, task: str, quick: bool) -> ml_collections.ConfigD
   config.train.stop_after = 0  # stop (with a checkpoint) after this step (preemptible jobs); 0 = train.steps
 
   config.mesh = ml_collections.ConfigDict()
-  config.mesh.data = 1  # devices on the "data" axis: the batch is split over them
+  config.mesh.data = 1  # devices on the "data" axis: the batch is split over them (-1: every device present)
   config.mesh.sequence = 1  # devices on the "sequence" axis: FAVOR layers split the sequence over them
   config.mesh.fsdp = False  # also split parameters and optimiser state over "data" (for large models)
   config.mesh.distributed = False  # call jax.distributed.initialize() first (multi-host launches)

@@ -1,4 +1,4 @@
-"""A 12 × 768 gated FAVOR+ language model in bfloat16, context 4096, for an 8-chip TPU slice (data + FSDP).
+"""A 12 × 768 gated FAVOR+ language model in bfloat16, context 4096, for a TPU slice (data + FSDP over every chip).
 
     python -m experiments.main --config=experiments/configs/lm_base.py --workdir=/mnt/shared/lm_base \
         --config.data.token_file=/data/tokens.bin --config.data.vocab_size=32000 --config.mesh.distributed=True
@@ -33,7 +33,7 @@ def get_config(arg=None):
   config.train.update(steps=20000, batch_size=64, grad_accum_steps=4,  # 64 × 4096 tokens per update, 4 microbatches
                       lr=6e-4, warmup_steps=1000, b2=0.95, weight_decay=0.1, log_every=50, eval_every=1000,
                       checkpoint_every=500)
-  config.mesh.update(data=8, fsdp=True)  # the batch and every parameter split over the 8 chips
+  config.mesh.update(data=-1, fsdp=True)  # the batch and every parameter split over all the chips (-1: every device)
   if quick:
     config.data.update(seq_len=64, num_eval_batches=1, eval_lengths=(128,))
     config.model.update(d_model=64, num_layers=2, num_heads=2, mlp_dim=128)

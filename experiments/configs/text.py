@@ -22,6 +22,9 @@ def get_config(arg=None):
   quick = common.is_quick(arg)
   config = common.training_config("text", "text", quick)
   config.data.path = ""  # a file or folder of files read as bytes (vocab 256); "" (and no token_file): Shakespeare
+  # data.glob: keep only the data.path folder's files whose path relative to it matches (fnmatch; * also crosses
+  # folders): "*.txt" takes every .txt file below it; "" takes every file that is not hidden
+  config.data.glob = ""
   config.data.token_file = ""  # token ids instead: a .npy array, or raw data.token_dtype with data.vocab_size
   config.data.token_dtype = "uint16"  # a raw token file's ids: "uint16" or "uint32" (little-endian)
   config.data.vocab_size = 0  # the token file's vocabulary (0: bytes' 256, data.tokenizer's, a .npy's largest id + 1)
@@ -35,6 +38,7 @@ def get_config(arg=None):
   config.data.eval_lengths = ()  # final evaluation also at these lengths (as many tokens each)
   config.model.update(d_model=256, num_layers=4, num_heads=4, mlp_dim=1024)  # 3.2M parameters at vocab 256
   config.attention.update(type="favor", kernel="positive", num_features=64, window=64, forget_gate=True)
+  config.mesh.data = -1  # the batch split over every device present (a number: that many; the rest idle, said so)
   config.train.update(steps=5000, batch_size=32, lr=1e-3, warmup_steps=200, eval_every=500, checkpoint_every=500)
   if quick:
     config.data.update(seq_len=128, num_eval_batches=4)
@@ -42,4 +46,5 @@ def get_config(arg=None):
     config.attention.update(num_features=32, window=16)
     config.train.update(steps=200, batch_size=16, lr=3e-3, warmup_steps=20, log_every=25, eval_every=100,
                         checkpoint_every=100)
+    config.mesh.data = 1  # one device, as the committed CPU run (experiments/results/text_cpu) trained
   return config

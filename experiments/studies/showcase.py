@@ -17,7 +17,7 @@ import tqdm
 
 from experiments.studies import tradeoff
 from experiments.studies.timing import median_of
-from experiments.train import plotting, sweep, training
+from experiments.train import paths, plotting, sweep, training
 
 SHOWCASE_FIELDS = ("long",)  # the study's own fields: no training run reads them
 
@@ -163,8 +163,8 @@ def plot(records, config, workdir) -> list[str]:
   ax = axes[0, 0]
   ends = []
   for r in records:
-    with open(os.path.join(workdir, r["name"], "metrics.jsonl")) as f:
-      evals = [e for e in map(json.loads, f) if e["kind"] == "eval" and e["step"] > 0]
+    lines = paths.read_text(os.path.join(workdir, r["name"], "metrics.jsonl")).splitlines()
+    evals = [e for e in map(json.loads, lines) if e["kind"] == "eval" and e["step"] > 0]
     ax.plot([e["step"] for e in evals], [e[metric] for e in evals], label=r["name"], **style[r["name"]])
     ends += [e[metric] for e in evals]
   plotting.ticks_enclose(ax, ends)

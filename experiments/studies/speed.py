@@ -26,7 +26,7 @@ import jax.numpy as jnp
 
 from experiments.studies import isolation, tpu_attention
 from experiments.studies.timing import check_timing, median_of
-from experiments.train import plotting
+from experiments.train import paths, plotting
 from favor_jax import core
 
 CHUNK = 64  # favor_attention's default chunk_size, for the FLOP count
@@ -256,7 +256,7 @@ def run(config, progress=print, workdir=None):
            f"memory measured: {config.memory}")
   records = []
   if workdir:  # this run's records only (an earlier run's in the same directory are replaced)
-    open(os.path.join(workdir, "records.jsonl"), "w").close()
+    paths.write_text(os.path.join(workdir, "records.jsonl"), "")
   for job in jobs(config, ceiling, limit):
     if config.memory == "process":
       try:
@@ -268,9 +268,8 @@ def run(config, progress=print, workdir=None):
     else:
       rec = measure(job)
     records.append(rec)
-    if workdir:  # partial results survive an interrupted run
-      with open(os.path.join(workdir, "records.jsonl"), "a") as f:
-        f.write(json.dumps(rec) + "\n")
+    if workdir:  # partial results survive an interrupted run (the file written whole: it may be on a bucket)
+      paths.write_text(os.path.join(workdir, "records.jsonl"), "".join(json.dumps(r) + "\n" for r in records))
     progress(f"L={rec['seq_len']:<7} {rec['method']:>26} {'causal' if rec['causal'] else 'bidir':>6} "
              f"{rec['pass']:>7} {rec.get('median_s', float('nan')):9.4f}s "
              f"{rec.get('peak_bytes', 0) / 2**20:9.0f} MB  {rec['status']}")

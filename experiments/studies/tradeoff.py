@@ -21,19 +21,17 @@ import ml_collections
 
 from experiments import tasks
 from experiments.studies.timing import check_sizes, median_of
-from experiments.train import models, plotting, sweep, training
+from experiments.train import models, paths, plotting, sweep, training
 
 
 def load_study(directory: str) -> tuple[ml_collections.ConfigDict, list[dict]]:
   """The config a training study ran with and its records (``config.json``, ``results.json`` of ``directory``)."""
-  paths = [os.path.join(directory, f) for f in ("config.json", "results.json")]
-  missing = [p for p in paths if not os.path.exists(p)]
+  files = [os.path.join(directory, f) for f in ("config.json", "results.json")]  # local, or on a bucket
+  missing = [p for p in files if not paths.exists(p)]
   if missing:
     raise ValueError(f"{directory} is not a training study's results directory: {', '.join(missing)} missing")
-  with open(paths[0]) as f:
-    config = ml_collections.ConfigDict(json.load(f)["config"])
-  with open(paths[1]) as f:
-    records = json.load(f)
+  config = ml_collections.ConfigDict(json.loads(paths.read_text(files[0]))["config"])
+  records = json.loads(paths.read_text(files[1]))
   if config.get("experiment") != "train":
     raise ValueError(f"{directory} holds a {config.get('experiment')!r} study, not a training study")
   if "short_conv" not in config.model:  # studies committed before the field ran without one

@@ -4,6 +4,9 @@
   sorted order; hidden ones skipped) are the documents, read as bytes (UTF-8
   text is its bytes: vocabulary 256). Empty: Shakespeare's plays (the
   ``shakespeare`` task's archive, fetched once into the cache).
+  ``data.glob`` keeps only a folder's files whose path relative to it matches
+  the pattern (``fnmatch``: ``*`` also crosses folders, so ``*.txt`` takes
+  every ``.txt`` file below it); empty: every file.
 - ``data.token_file``: token ids, one document after another: a ``.npy``
   array, or raw little-endian ``data.token_dtype`` (uint16 / uint32) with
   ``data.vocab_size``; memory-mapped, so a window reads only its own tokens.
@@ -20,6 +23,7 @@ are ``lm.lm_task``'s: a batch is a pure function of (seed, position).
 
 from __future__ import annotations
 
+import fnmatch
 import os
 
 import numpy as np
@@ -60,6 +64,8 @@ def check_data(data) -> None:
   if data.get("tokenizer") and not data.token_file:
     raise ValueError(f"data.tokenizer={data.tokenizer!r} names the tokenizer of a data.token_file, but there is "
                      "none (text input is bytes): give data.token_file (python -m experiments.tokenize writes both)")
+  if not isinstance(data.get("glob", ""), str):
+    raise ValueError(f"data.glob must be a pattern string (e.g. '*.txt'; '' = every file), got {data.glob!r}")
   if not isinstance(data.document_separator, int) or data.document_separator < -1:
     raise ValueError(f"data.document_separator must be a token id or -1 (none), got {data.document_separator!r}")
 
@@ -70,17 +76,22 @@ def unused_data(data) -> dict:
   if not data.token_file:
     unused.update({f: "no data.token_file: the input is text (bytes)"
                    for f in ("token_dtype", "document_separator", "tokenizer") if f in data})
-  elif data.token_file.endswith(".npy"):
+  else:
+    unused["glob"] = "data.glob filters the files of a data.path folder; the input is data.token_file"
+  if data.token_file.endswith(".npy"):
     unused["token_dtype"] = "a .npy token file holds its own dtype"
   if data.valid_files:
     unused["valid_fraction"] = "data.valid_files names the held-out files"
   return unused
 
 
-def files(path: str) -> dict[str, str]:
-  """{name relative to ``path``: file path} of a folder's files (recursively, sorted, hidden ones skipped), or
-  {basename: path} of one file."""
+def files(path: str, pattern: str = "") -> dict[str, str]:
+  """{name relative to ``path``: file path} of a folder's files (recursively, sorted, hidden ones skipped; with
+  ``pattern`` (``data.glob``), those whose relative name matches it), or {basename: path} of one file."""
   if os.path.isfile(path):
+    if pattern and not fnmatch.fnmatch(os.path.basename(path), pattern):
+      raise ValueError(f"data.path={path!r} is a file whose name does not match data.glob={pattern!r} (which "
+                       "filters a folder's files): drop data.glob, or give the folder")
     return {os.path.basename(path): path}
   if not os.path.isdir(path):
     raise ValueError(f"data.path={path!r} is neither a file nor a folder")
@@ -89,9 +100,11 @@ def files(path: str) -> dict[str, str]:
     dirs[:] = sorted(d for d in dirs if not d.startswith("."))
     for name in sorted(n for n in names if not n.startswith(".")):
       full = os.path.join(root, name)
-      out[os.path.relpath(full, path)] = full
+      relative = os.path.relpath(full, path)
+      if not pattern or fnmatch.fnmatch(relative, pattern):
+        out[relative] = full
   if not out:
-    raise ValueError(f"data.path={path!r} holds no files")
+    raise ValueError(f"data.path={path!r} holds no files" + (f" matching data.glob={pattern!r}" * bool(pattern)))
   return dict(sorted(out.items()))
 
 
@@ -123,7 +136,10 @@ def token_corpus(data, tokenizer_vocab: int = 0) -> tuple[lm.Corpus, int]:
   if not os.path.isfile(path):
     raise ValueError(f"data.token_file={path!r} is not a file")
   if path.endswith(".npy"):
-    tokens = np.load(path, mmap_mode="r")
+    try:
+      tokens = np.load(path, mmap_mode="r")
+    except ValueError:  # numpy cannot memory-map an empty array: read whole (it holds nothing), checked below
+      tokens = np.load(path)
     if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
       raise ValueError(f"data.token_file={path!r} holds a {tokens.dtype} array of shape {tokens.shape}; it needs "
                        "a 1-D integer array of token ids")
@@ -132,13 +148,21 @@ def token_corpus(data, tokenizer_vocab: int = 0) -> tuple[lm.Corpus, int]:
     if os.path.getsize(path) % itemsize:
       raise ValueError(f"data.token_file={path!r} has {os.path.getsize(path)} bytes, not a whole number of "
                        f"{data.token_dtype} tokens: check data.token_dtype")
+    if os.path.getsize(path) == 0:
+      raise ValueError(f"data.token_file={path!r} is empty (0 bytes): it holds no tokens")
     tokens = np.memmap(path, dtype=np.dtype(data.token_dtype).newbyteorder("<"), mode="r")
-  largest = int(tokens.max())  # one pass over the file
+  if len(tokens) == 0:
+    raise ValueError(f"data.token_file={path!r} holds no tokens (an empty {tokens.dtype} array)")
+  smallest = int(tokens.min())  # a pass over the file each
+  if smallest < 0:
+    raise ValueError(f"data.token_file={path!r} holds the negative id {smallest} (first at index "
+                     f"{int(np.argmax(np.asarray(tokens) == smallest))}): token ids are >= 0")
+  largest = int(tokens.max())
   if data.vocab_size and data.vocab_size < tokenizer_vocab:
     raise ValueError(f"data.vocab_size={data.vocab_size} is smaller than data.tokenizer's vocabulary of "
                      f"{tokenizer_vocab} ids: give 0 (the tokenizer's) or at least {tokenizer_vocab}")
   vocab = data.vocab_size or tokenizer_vocab or largest + 1
-  if largest >= vocab or int(tokens.min()) < 0:
+  if largest >= vocab:
     raise ValueError(f"data.token_file={path!r} holds ids up to {largest}, outside data.vocab_size={vocab}")
   sep, chunk = data.document_separator, 1 << 26  # the separators found a chunk of the file at a time
   ends = [np.flatnonzero(np.asarray(tokens[i:i + chunk]) == sep) + i + 1
@@ -160,7 +184,7 @@ def make_task(data, batch_size: int, seed: int) -> Task:
       sizes = np.concatenate([sizes, np.zeros(vocab - len(sizes), np.int64)])
     return lm.lm_task("text", vocab, train, valid, data, batch_size, seed, split, token_bytes=sizes)
   path = data.path or shakespeare.fetch()
-  found = files(path)
+  found = files(path, data.get("glob", ""))
   missing = sorted(set(data.valid_files) - set(found))
   if missing:
     raise ValueError(f"data.valid_files names {missing}, not among the files of {path}: {sorted(found)[:20]}")

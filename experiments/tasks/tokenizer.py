@@ -84,18 +84,19 @@ def train(documents: Iterable[bytes], vocab_size: int, min_frequency: int = 2):
   return tokenizer
 
 
-def load(path: str, field: str = "data.tokenizer"):
-  """The tokenizer JSON at ``path`` (``Tokenizer.save``'s file), checked to be byte-level with every byte a token.
+def load(path: str, field: str = "data.tokenizer", text: str | None = None):
+  """The tokenizer JSON at ``path`` (``Tokenizer.save``'s file), or ``text`` read from it already (a run directory
+  on a bucket), checked to be byte-level with every byte a token.
 
   Raises:
     ValueError: naming ``field`` and ``path`` for a missing or unreadable file, or a tokenizer that cannot encode
       every byte.
   """
-  if not os.path.isfile(path):
+  if text is None and not os.path.isfile(path):
     raise ValueError(f"{field}={path!r} is not a file (a tokenizer JSON, as experiments.tokenize writes it)")
   lib = _library()
   try:
-    tokenizer = lib.Tokenizer.from_file(path)
+    tokenizer = lib.Tokenizer.from_file(path) if text is None else lib.Tokenizer.from_str(text)
   except Exception as e:  # the library raises its own exception type for any bad file
     raise ValueError(f"{field}={path!r} is not a tokenizers JSON file ({type(e).__name__}: {e})") from None
   missing = [b for b, c in byte_alphabet().items() if tokenizer.token_to_id(c) is None]

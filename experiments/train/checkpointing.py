@@ -8,11 +8,13 @@ import fcntl
 import json
 import os
 import socket
+import time
 
 import jax
 import orbax.checkpoint as ocp
 
 from experiments.configs import common
+from experiments.train import paths
 from experiments.train.config_checks import unused_fields
 from experiments.train.steps import TrainState
 
@@ -35,7 +37,7 @@ def open_checkpoints(directory: str, state: TrainState, progress,
   ``directory/damaged/``: orbax saves no step at or before its newest one, so left in place it would keep the
   resumed run from checkpointing. If no step restores, nothing is moved and a ValueError names the directory.
   """
-  directory = os.path.abspath(directory)
+  directory = paths.absolute(directory)  # a local path, or a gs:// URL (orbax writes both)
   checkpoints = ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(max_to_keep=2))
   steps = checkpoints.all_steps()
   if steps:
@@ -50,7 +52,9 @@ def open_checkpoints(directory: str, state: TrainState, progress,
     mover = ocp.CheckpointManager(directory, options=options)
     for bad, _ in damaged:
       mover.delete(bad)
-      progress(f"moved the damaged checkpoint at step {bad} to {os.path.join(directory, 'damaged')}")
+      progress(f"deleted the damaged checkpoint at step {bad} (orbax moves nothing aside on a bucket)"
+               if paths.is_url(directory) else
+               f"moved the damaged checkpoint at step {bad} to {os.path.join(directory, 'damaged')}")
     checkpoints.reload()
   progress(f"resumed from the checkpoint at step {int(restored.step)}")
   return checkpoints, restored
@@ -69,7 +73,7 @@ def newest_that_restores(directory: str, steps, restore, progress=lambda message
   damaged = []
   for step in sorted(steps, reverse=True):
     try:
-      if not os.path.isdir(os.path.join(directory, str(step), ITEM)):  # orbax's restore of such a step leaves
+      if not paths.is_dir(os.path.join(directory, str(step), ITEM)):  # orbax's restore of such a step leaves
         raise FileNotFoundError(f"its item directory {ITEM}/ is missing")  # the manager failing every other one
       restored = restore(step)
     except Exception as e:  # orbax and tensorstore raise many types (JSON, tree structure, data loss, ...)
@@ -108,8 +112,7 @@ def run_fields(config, resume: bool = True) -> dict:
 def record_run_config(workdir: str, config) -> None:
   """Writes ``workdir/RUN_CONFIG``: the fields a resume is checked against (process 0 only)."""
   if jax.process_index() == 0:
-    with open(os.path.join(workdir, RUN_CONFIG), "w") as f:
-      json.dump(run_fields(config), f, indent=1)
+    paths.write_text(os.path.join(workdir, RUN_CONFIG), json.dumps(run_fields(config), indent=1))
 
 
 def record_tokenizer(workdir: str, config, fresh: bool) -> None:
@@ -119,19 +122,16 @@ def record_tokenizer(workdir: str, config, fresh: bool) -> None:
   source = config.data.get("tokenizer", "")
   if not source:
     return
-  with open(source, "rb") as f:
+  with open(source) as f:
     content = f.read()
   target = os.path.join(workdir, TOKENIZER)
-  if not fresh and os.path.exists(target):
-    with open(target, "rb") as f:
-      if f.read() != content:
-        raise ValueError(f"data.tokenizer={source!r} is not the tokenizer {workdir} was trained with ({target}): "
-                         "a resumed run keeps its tokenizer; give that file, or another run directory")
+  if not fresh and paths.exists(target):
+    if paths.read_text(target) != content:
+      raise ValueError(f"data.tokenizer={source!r} is not the tokenizer {workdir} was trained with ({target}): "
+                       "a resumed run keeps its tokenizer; give that file, or another run directory")
     return
   if jax.process_index() == 0:
-    with open(target + ".tmp", "wb") as f:
-      f.write(content)
-    os.replace(target + ".tmp", target)
+    paths.write_text(target, content)  # whole or not at all (paths.write_text)
 
 
 def check_resumed_config(workdir: str, config, step: int) -> None:
@@ -139,11 +139,10 @@ def check_resumed_config(workdir: str, config, step: int) -> None:
   (``RUN_CONFIG``): otherwise the numbers of the finished steps would be reported as this config's."""
   path = os.path.join(workdir, RUN_CONFIG)
   restart = f"give another run directory, or delete {workdir} to start this run over"
-  if not os.path.exists(path):
+  if not paths.exists(path):
     raise ValueError(f"{workdir} holds checkpoints (step {step}) but no {RUN_CONFIG} (written by an older "
                      f"version), so this config cannot be checked against the one it ran: {restart}")
-  with open(path) as f:
-    stored = json.load(f)
+  stored = json.loads(paths.read_text(path))
   now = run_fields(config)
   changed = [f"{k}: {stored.get(k, '(absent)')!r} -> {now.get(k, '(absent)')!r}"
              for k in sorted(stored.keys() | now.keys()) if stored.get(k, "(absent)") != now.get(k, "(absent)")]
@@ -154,15 +153,24 @@ def check_resumed_config(workdir: str, config, step: int) -> None:
 
 
 @contextlib.contextmanager
-def run_lock(workdir: str):
+def run_lock(workdir: str, progress=print):
   """Holds ``workdir/.lock`` (an exclusive flock, released when the process ends, however it ends) while a run
   trains there, so that a second command on the same run directory stops instead of interleaving its metrics and
   checkpoints with the first's; the file is removed when the run ends (a killed run leaves it, unlocked).
-  Process 0 only: a cluster's processes share the directory by design."""
+  Process 0 only: a cluster's processes share the directory by design.
+
+  On a bucket (a ``gs://`` run directory) there is no lock: an object store has no advisory lock, and a killed
+  run's record could not be told from a live one's. ``.lock`` then records who writes (pid, host, time) and
+  is removed at the end; a command that finds one says whose it is (``progress``) and goes on. Run one command
+  per run directory on a bucket."""
   if jax.process_index() != 0:
     yield
     return
   path = os.path.join(workdir, ".lock")
+  if paths.is_url(workdir):
+    with _recorded(path, workdir, progress):
+      yield
+    return
   with _locked(path, workdir) as f:
     f.truncate(0)
     f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
@@ -172,6 +180,21 @@ def run_lock(workdir: str):
     finally:
       os.remove(path)  # still locked: a command that opened it before finds it gone and opens a new one
       fcntl.flock(f, fcntl.LOCK_UN)
+
+
+@contextlib.contextmanager
+def _recorded(path: str, workdir: str, progress):
+  """``run_lock`` on a bucket: the holder's record written at the start and removed at the end, a record found
+  there reported."""
+  if paths.exists(path):
+    holder = paths.read_text(path).strip() or "an unnamed command"
+    progress(f"warning: {path} says {holder} is writing {workdir} (a bucket has no lock: if that command still "
+             "runs, stop one of the two; a killed run leaves this record behind)")
+  paths.write_text(path, f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S %Z')}\n")
+  try:
+    yield
+  finally:
+    paths.remove(path)
 
 
 def _locked(path: str, workdir: str):

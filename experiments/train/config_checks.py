@@ -79,17 +79,24 @@ def check_config(config) -> None:
   _check(0 <= t.final_lr_fraction <= 1,
          f"train.final_lr_fraction must be in [0, 1] (of train.lr), got {t.final_lr_fraction!r}")
   mesh = config.mesh
-  for name in ("data", "sequence"):
-    tasks.positive_int(f"mesh.{name}", mesh[name])
-  _check(t.batch_size % (mesh.data * t.grad_accum_steps) == 0,
-         f"train.batch_size {t.batch_size} must be divisible by mesh.data {mesh.data} × train.grad_accum_steps "
-         f"{t.grad_accum_steps} (each microbatch is split over the data axis)")
+  if mesh.data != -1:  # -1: every device (the data axis's size is known once the devices are)
+    tasks.positive_int("mesh.data (or -1: every device)", mesh.data)
+  tasks.positive_int("mesh.sequence", mesh.sequence)
+  check_batch_split(t, mesh.data if mesh.data != -1 else 1)
   _check(mesh.sequence == 1 or a.type == "favor",
          f"mesh.sequence={mesh.sequence} (sequence parallelism) needs attention.type='favor', got {a.type!r}")
   _check(isinstance(t.stop_after, int) and 0 <= t.stop_after <= t.steps,
          f"train.stop_after must be an int in [0, train.steps={t.steps}] (0 = run to the end), "
          f"got {t.stop_after!r}")
   tasks.check_data(config)
+
+
+def check_batch_split(t, data: int, resolved: str = "") -> None:
+  """A ValueError unless ``t.batch_size`` (the train block) splits into ``t.grad_accum_steps`` microbatches over
+  ``data`` devices; ``resolved``: where ``data`` came from (``mesh.data=-1``'s device count)."""
+  _check(t.batch_size % (data * t.grad_accum_steps) == 0,
+         f"train.batch_size {t.batch_size} must be divisible by mesh.data {data} × train.grad_accum_steps "
+         f"{t.grad_accum_steps} (each microbatch is split over the data axis{resolved})")
 
 
 def unused_fields(config) -> dict:

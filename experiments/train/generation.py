@@ -19,7 +19,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from experiments.configs import common
-from experiments.train import models
+from experiments.train import models, paths
 from experiments.train.checkpointing import ITEM, RUN_CONFIG, TOKENIZER, newest_that_restores
 
 BYTES = 256  # a vocabulary of this size is bytes (without a tokenizer): a prompt's bytes are its tokens
@@ -38,23 +38,21 @@ def load_run(workdir: str, progress=lambda message: None) -> tuple[ml_collection
   Raises:
     ValueError: if ``workdir`` holds no checkpoint (or none that restores), or no config.json beside or above it.
   """
-  workdir = os.path.abspath(workdir)
+  workdir = paths.check(workdir)  # a local path made absolute, or a gs:// URL (its package installed)
   directory = os.path.join(workdir, "checkpoints")
-  steps = ocp.CheckpointManager(directory).all_steps() if os.path.isdir(directory) else []
+  steps = ocp.CheckpointManager(directory).all_steps() if paths.is_dir(directory) else []
   if not steps:
     raise ValueError(f"--workdir={workdir} holds no checkpoint (checkpoints/STEP): give a run's directory, the "
                      "one with checkpoints/ and run_config.json (a study's WORKDIR/RUN_NAME)")
-  found = [p for p in (os.path.join(workdir, "config.json"), os.path.join(os.path.dirname(workdir), "config.json"))
-           if os.path.exists(p)]
+  found = [p for p in (os.path.join(workdir, "config.json"), os.path.join(paths.parent(workdir), "config.json"))
+           if paths.exists(p)]
   if not found:
     raise ValueError(f"no config.json in {workdir} or the directory above it (experiments.main writes it): the "
                      "run's model cannot be rebuilt without it")
-  with open(found[0]) as f:
-    config = ml_collections.ConfigDict(json.load(f)["config"])
+  config = ml_collections.ConfigDict(json.loads(paths.read_text(found[0]))["config"])
   run_config = os.path.join(workdir, RUN_CONFIG)
-  if os.path.exists(run_config):
-    with open(run_config) as f:
-      common.set_fields(config, json.load(f), what=f"{RUN_CONFIG} field")
+  if paths.exists(run_config):
+    common.set_fields(config, json.loads(paths.read_text(run_config)), what=f"{RUN_CONFIG} field")
   restore = lambda step: ocp.StandardCheckpointer().restore(os.path.join(directory, str(step), ITEM))
   step, restored, _ = newest_that_restores(directory, steps, restore, progress)
   state = restored if isinstance(restored, dict) else dict(enumerate(restored))
@@ -163,8 +161,8 @@ def load_tokenizer(workdir: str, config):
   ``data.tokenizer`` names where it still exists; None for a run without one (bytes, or bare token ids)."""
   from experiments.tasks import tokenizer
   kept = os.path.join(workdir, TOKENIZER)
-  if os.path.isfile(kept):
-    return tokenizer.load(kept, field=f"the run's tokenizer ({TOKENIZER})")
+  if paths.exists(kept):  # read through the path layer: the run directory may be on a bucket
+    return tokenizer.load(kept, field=f"the run's tokenizer ({TOKENIZER})", text=paths.read_text(kept))
   named = config.data.get("tokenizer", "") if "data" in config else ""
   return tokenizer.load(named) if named and os.path.isfile(named) else None
 

@@ -10,6 +10,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
+from experiments.train import paths
 from experiments.train.sharding import put_batch
 from experiments.train.steps import TrainState, metric_sums
 
@@ -75,19 +76,18 @@ def make_eval(model, task, mesh: Mesh):
 
 
 class MetricsLog:
-  """``metrics.jsonl``: one JSON record per line; on resume, records after the restored step are dropped."""
+  """``metrics.jsonl``: one JSON record per line; on resume, records after the restored step are dropped. On a
+  bucket the object is rewritten whole at each record (an object cannot be appended to)."""
 
   def __init__(self, path: str, keep_through: int):
     self.path, self.records, self.writer = path, [], None
-    if os.path.exists(path):
-      with open(path) as f:
-        for line in f:
-          try:
-            record = json.loads(line)
-          except json.JSONDecodeError:  # a line cut short by a kill
-            continue
-          if record["step"] <= keep_through:
-            self.records.append(record)
+    for line in paths.read_text(path).splitlines() if paths.exists(path) else ():
+      try:
+        record = json.loads(line)
+      except json.JSONDecodeError:  # a line cut short by a kill
+        continue
+      if record["step"] <= keep_through:
+        self.records.append(record)
     if jax.process_index() != 0:  # multi-host: every process computes the metrics, process 0 writes them
       return
     if keep_through > 0 and not any(r["kind"] == "eval" and r["step"] == 0 for r in self.records):
@@ -96,17 +96,18 @@ class MetricsLog:
       raise ValueError(f"{path} lacks the records of the steps through {keep_through}, which the checkpoint "
                        "holds (missing, or cut: no evaluation at step 0): restore it, or delete "
                        f"{os.path.dirname(path)} to start the run over")
-    with open(path + ".tmp", "w") as f:  # replaced whole: the other processes may be reading it
-      f.writelines(json.dumps(r) + "\n" for r in self.records)
-    os.replace(path + ".tmp", path)
+    paths.write_text(path, "".join(json.dumps(r) + "\n" for r in self.records))  # whole: others may be reading
     self.writer = _tensorboard(os.path.dirname(path))
 
   def write(self, record: dict) -> None:
     self.records.append(record)
     if jax.process_index() != 0:
       return
-    with open(self.path, "a") as f:
-      f.write(json.dumps(record) + "\n")
+    if paths.is_url(self.path):  # an object is written whole
+      paths.write_text(self.path, "".join(json.dumps(r) + "\n" for r in self.records))
+    else:
+      with open(self.path, "a") as f:
+        f.write(json.dumps(record) + "\n")
     if self.writer is not None:
       for k, v in record.items():
         if k != "step" and isinstance(v, float):
@@ -114,6 +115,9 @@ class MetricsLog:
 
 
 def _tensorboard(logdir):
+  """A tensorboardX writer into ``logdir`` (a local path, or gs:// through google-cloud-storage, which tensorboardX
+  uploads each event file with) when tensorboardX is installed (``pip install "favor_jax[tensorboard]"``), else
+  None: the scalars of metrics.jsonl, viewed with ``tensorboard --logdir=WORKDIR``."""
   try:
     from tensorboardX import SummaryWriter  # optional
   except ImportError:

@@ -19,10 +19,13 @@ def subplots(*args, **kwargs):
 
 
 def save(fig, path: str, dpi: int = 120) -> str:
-  """Saves and closes ``fig``; the canvas grows to hold a legend placed outside the axes."""
+  """Saves and closes ``fig`` at ``path`` (a local path or a run directory's URL: ``paths``); the canvas grows
+  to hold a legend placed outside the axes."""
   import matplotlib.pyplot as plt
+
+  from experiments.train import paths
   fig.tight_layout()
-  fig.savefig(path, dpi=dpi, bbox_inches="tight")
+  paths.save_figure(fig, path, dpi=dpi, bbox_inches="tight")
   plt.close(fig)
   return path
 

@@ -10,18 +10,43 @@ from jax.sharding import PartitionSpec as P
 from experiments import tasks
 from experiments.train.steps import TrainState
 
+ALL = -1  # mesh.data = ALL: every device the sequence axis leaves
+
+
+def mesh_shape(m, device_count: int) -> tuple[int, int]:
+  """(data, sequence) of the mesh ``m`` asks for among ``device_count`` devices: ``mesh.data = -1`` takes all
+  the devices ``mesh.sequence`` leaves (``device_count // mesh.sequence``); a ValueError where they do not fit."""
+  if m.data == ALL:
+    if device_count % m.sequence:
+      raise ValueError(f"mesh.data=-1 takes every device, but mesh.sequence={m.sequence} does not divide the "
+                       f"{device_count} devices: give mesh.data explicitly, or a mesh.sequence that divides them")
+    return device_count // m.sequence, m.sequence
+  if m.data * m.sequence > device_count:
+    raise ValueError(f"mesh.data × mesh.sequence = {m.data * m.sequence} devices, but only {device_count} exist")
+  return m.data, m.sequence
+
 
 def make_mesh(m) -> Mesh:
-  """A ("data", "sequence") mesh over the first data·sequence devices (all of them under several processes);
-  checked against what exists."""
-  needed = m.data * m.sequence
-  if needed > jax.device_count():
-    raise ValueError(f"mesh.data × mesh.sequence = {needed} devices, but only {jax.device_count()} exist")
+  """A ("data", "sequence") mesh over the first data·sequence devices (all of them under several processes,
+  and under ``mesh.data = -1``); checked against what exists. :func:`idle_devices` says what it leaves out."""
+  data, sequence = mesh_shape(m, jax.device_count())
+  needed = data * sequence
   if jax.process_count() > 1 and needed != jax.device_count():  # a process outside the mesh would idle
     raise ValueError(f"mesh.data × mesh.sequence = {needed} devices, but {jax.process_count()} processes "
-                     f"need a mesh over all {jax.device_count()} devices (each process holds part of it)")
-  devices = np.asarray(jax.devices()[:needed]).reshape(m.data, m.sequence)
+                     f"need a mesh over all {jax.device_count()} devices (each process holds part of it): "
+                     "mesh.data=-1 takes them all")
+  devices = np.asarray(jax.devices()[:needed]).reshape(data, sequence)
   return Mesh(devices, ("data", "sequence"), axis_types=(AxisType.Auto, AxisType.Auto))
+
+
+def idle_devices(mesh: Mesh, m) -> str:
+  """A sentence saying how many devices present ``mesh`` leaves idle (and how to use them), or "" when it
+  uses every one."""
+  used, present = mesh.devices.size, jax.device_count()
+  if used >= present:
+    return ""
+  return (f"the mesh uses {used} of the {present} devices present (mesh.data={m.data} × mesh.sequence="
+          f"{m.sequence}); {present - used} stay idle: mesh.data=-1 takes every device")
 
 
 def state_shardings(state, mesh: Mesh, fsdp: bool):

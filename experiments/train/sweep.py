@@ -16,7 +16,7 @@ import jax
 
 from experiments.configs import common
 from experiments.tasks import listops
-from experiments.train import flops, models, plotting, training
+from experiments.train import flops, models, paths, plotting, training
 
 
 def variant_configs(config) -> list[tuple[str, object]]:
@@ -88,7 +88,8 @@ def final_record(name: str, config, records: list[dict]) -> dict:
       train_loss=trains[-1]["train_loss"], **{k: v for k, v in evals[-1].items() if k.startswith("eval_")},
       best_eval_accuracy=max(r["eval_accuracy"] for r in evals),
       steps_per_s=trains[-1].get("steps_per_s", float("nan")),
-      **{k: trains[-1][k] for k in ("tokens_per_s", "mfu", "flops_per_token", "peak") if k in trains[-1]})
+      **{k: trains[-1][k] for k in ("tokens_per_s", "mfu", "flops_per_token", "peak", "devices", "devices_present")
+         if k in trains[-1]})
 
 
 def run(config, progress, workdir) -> list[dict]:
@@ -248,6 +249,11 @@ def summarize(records: list[dict], config) -> str:
     lines += ["", "tokens/s and MFU: the last logging window's rate (this process's clock); MFU = tokens/s × model "
               "FLOPs per token (train: 3 × forward, attention included; docs/training.md) / the devices' peak "
               f"({next(r['peak'] for r in records if 'peak' in r)})."]
+  idle = [r for r in records if r.get("devices", 0) < r.get("devices_present", 0)]
+  if idle:
+    lines += ["", "Idle devices: " + "; ".join(f"{r['name']} trained on {r['devices']} of the {r['devices_present']} "
+                                                "devices present" for r in idle)
+              + " (its mesh.data × mesh.sequence; mesh.data=-1 takes every device)."]
   if len(settings) < len(records):
     lines += ["", f"## Mean over seeds ({metric}; spread = max − min)", ""]
     lines += markdown_table(
@@ -286,11 +292,11 @@ def plot(records: list[dict], config, workdir: str) -> list[str]:
   point per setting): each run in the colour, marker and label it has in every figure of the study."""
   curves = {}
   for r in records:
-    with open(os.path.join(workdir, r["name"], "metrics.jsonl")) as f:
-      curves[r["name"]] = [json.loads(line) for line in f]
+    text = paths.read_text(os.path.join(workdir, r["name"], "metrics.jsonl"))
+    curves[r["name"]] = [json.loads(line) for line in text.splitlines()]
   style = plotting.run_styles(curves)
-  paths = [plotting.training_curves(curves, os.path.join(workdir, "curves.png"), style)]
+  written = [plotting.training_curves(curves, os.path.join(workdir, "curves.png"), style)]
   metric = _main_metric(records)
-  paths.append(plotting.quality_vs_state(mean_over_seeds(records, metric), metric, style,
-                                         os.path.join(workdir, "state.png")))
-  return paths
+  written.append(plotting.quality_vs_state(mean_over_seeds(records, metric), metric, style,
+                                           os.path.join(workdir, "state.png")))
+  return written

@@ -31,8 +31,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from experiments import tasks
-from experiments.configs import common
-from experiments.train import flops, models
+from experiments.train import flops, models, paths
 from experiments.train.checkpointing import (
   MAY_CHANGE_ON_RESUME,
   NOT_OF_THE_RUN,
@@ -44,9 +43,9 @@ from experiments.train.checkpointing import (
   run_fields,
   run_lock,
 )
-from experiments.train.config_checks import _count, check_config, check_overrides_used, unused_fields
+from experiments.train.config_checks import _count, check_batch_split, check_config, check_overrides_used, unused_fields
 from experiments.train.metrics import MetricsLog, checked_eval, make_eval, raise_if_nonfinite
-from experiments.train.sharding import make_mesh, place, put_batch, state_shardings
+from experiments.train.sharding import idle_devices, make_mesh, place, put_batch, state_shardings
 from experiments.train.steps import TrainState, init_state, make_lr, make_optimizer, make_train_step, metric_sums
 
 __all__ = ["MAY_CHANGE_ON_RESUME", "NOT_OF_THE_RUN", "RUN_CONFIG", "TIMING_FIELDS", "Preempted", "Setup", "Stopped",
@@ -117,6 +116,12 @@ class Setup(NamedTuple):
 def build(config, init_params=None, progress=lambda message: None) -> Setup:
   """The mesh, task, model, optimiser and fresh placed state of ``config`` (the first part of ``train``)."""
   mesh = make_mesh(config.mesh)
+  if config.mesh.data == -1:
+    data = mesh.shape["data"]
+    check_batch_split(config.train, data, f" of {data} devices: mesh.data=-1 takes every device")
+  idle = idle_devices(mesh, config.mesh)
+  if idle:
+    progress(idle[0].upper() + idle[1:])
   progress(f"building the {config.task} task (fetching its data if not cached)")
   task = tasks.make_task(config)
   if task.split:
@@ -140,8 +145,8 @@ def train(config, workdir: str, progress=print, init_params=None) -> tuple[list[
   its shards of every batch, all write their shards of each checkpoint, and process 0 writes the metrics.
   """
   check_config(config)
-  common.check_workdir(workdir, "the run directory")
-  with run_lock(workdir):
+  workdir = paths.check_workdir(workdir, "the run directory")  # a local path, or a gs:// URL
+  with run_lock(workdir, progress):
     return _train(config, workdir, progress, init_params)
 
 
@@ -204,7 +209,7 @@ def _train(config, workdir: str, progress, init_params) -> tuple[list[dict], Tra
         state = state._replace(sums_3=place(np.zeros(3, np.float32), shardings.sums_3))
         log.write(dict(kind="train", step=step, train_loss=sums[0] / sums[2], train_accuracy=sums[1] / sums[2],
                        lr=float(lr(step - 1)), **timing(), **throughput(), flops_per_token=cost["train"],
-                       peak=peak_source))
+                       peak=peak_source, devices=int(mesh.devices.size), devices_present=jax.device_count()))
         record = log.records[-1]  # ETA from this process's rate (a resumed run restarts the clock)
         meter = tqdm.tqdm.format_meter(step, t.steps, record["elapsed_s"], rate=record["steps_per_s"],
                                        unit=" steps", ascii=" #", bar_format=PROGRESS)
