@@ -11,7 +11,8 @@ forward + backward as what runs: 3× the forward for FAVOR, 3.5× for flash atte
 the scores). Bytes: flash attention and the XLA chunked pass by formula (``experiments.train.flops``: what must
 cross HBM at least); the fused kernels **read from their compiled programs**: ``favor_attention(...,
 causal_method="pallas")`` and its gradient are exported for TPU from this machine (``jax.export`` with
-``platforms=["tpu"]`` on abstract inputs, nothing allocated), and ``program_traffic`` adds up what crosses HBM:
+``platforms=["tpu"]`` on abstract inputs, nothing allocated), and ``programs.program_traffic`` adds up what
+crosses HBM:
 every kernel's (Mosaic/Triton custom call's) operands and results, and the XLA arrays around them (each array
 that crosses between XLA and a kernel or the program's edge written once and read once; XLA fusing the rest).
 Each export is kept as ``exported_<label>.json`` beside the table, so a new kernel design adds a row and the
@@ -29,6 +30,7 @@ import pathlib
 import re
 import subprocess
 
+from experiments.studies.programs import export_traffic
 from experiments.train import flops as counts
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]  # experiments/
@@ -43,7 +45,6 @@ STUDY = dict(batch=1, heads=8, head_dim=64, num_features=256, chunk=64, bytes_in
 LENGTHS = (4096, 16384, 65536, 131072)
 # The exported programs: the acceptance geometry of issue 51 (bfloat16 q, k, v; an orthogonal [M, D] projection).
 EXPORT = dict(batch=2, heads=8, head_dim=64, num_features=256)
-KERNEL_TARGETS = ("tpu_custom_call", "mosaic_gpu", "__gpu$xla.gpu.triton", "triton_kernel_call")
 
 
 def favor_flops(d: int, m: int, c: int) -> float:
@@ -64,178 +65,22 @@ def exact_full_flops(length: int, d: int) -> float:
   return counts.softmax_flops(length, d, causal=True)
 
 
-# --- bytes read from exported programs ---------------------------------------------------------------------------
-
-
-def _tensor_bytes(t) -> int:
-  """Bytes of an MLIR ranked tensor type (booleans as one byte each, as XLA stores them)."""
-  from jax._src.lib.mlir import ir
-  shaped = ir.RankedTensorType(t)
-  width = shaped.element_type.width if hasattr(shaped.element_type, "width") else 32
-  return math.prod(shaped.shape) * max(1, width // 8)
-
-
-class _Array:
-  """One array of the program (an SSA value after calls and taken branches are followed): its type, bytes, who
-  wrote it ("arg", "kernel", "xla") and who reads it."""
-
-  def __init__(self, type_, producer: str):
-    self.type, self.bytes, self.producer, self.readers = str(type_), _tensor_bytes(type_), producer, set()
-
-
-def _kernel_count(regions, funcs, seen=()) -> tuple[int, int]:
-  """(kernel calls, operations) in ``regions`` with calls followed: how a branch is chosen."""
-  kernels = ops = 0
-  for region in regions:
-    for block in region.blocks:
-      for inner in block.operations:
-        inner = inner.operation
-        ops += 1
-        if inner.name == "stablehlo.custom_call" and _target(inner) in KERNEL_TARGETS:
-          kernels += 1
-        callee = _callee(inner)
-        if callee is not None and callee not in seen:
-          k, o = _kernel_count(funcs[callee].regions, funcs, seen + (callee,))
-          kernels, ops = kernels + k, ops + o
-        elif inner.regions and inner.name != "stablehlo.while":
-          k, o = _kernel_count(inner.regions, funcs, seen)
-          kernels, ops = kernels + k, ops + o
-  return kernels, ops
-
-
-def _target(op) -> str:
-  from jax._src.lib.mlir import ir
-  return ir.StringAttr(op.attributes["call_target_name"]).value
-
-
-def _callee(op) -> str | None:
-  from jax._src.lib.mlir import ir
-  return ir.FlatSymbolRefAttr(op.attributes["callee"]).value if op.name == "func.call" else None
-
-
-def program_traffic(mlir_text: str, kernel_targets=KERNEL_TARGETS, large: int | None = None) -> dict:
-  """What an exported program moves through HBM, read from its StableHLO text (``Exported.mlir_module()``).
-
-  Calls are followed into their functions; of a conditional, the branch that runs the most kernels (among equals
-  the one of fewest operations: the fast path, not a fallback) is taken; a while loop is one XLA operation (its
-  body is not entered: a kernel inside a loop is not counted). Every kernel (a custom call whose target is in
-  ``kernel_targets``) reads its operands and writes its results; XLA, fusing everything between kernels, writes
-  each array a kernel or the program's output takes from it, and reads each array (a program input, a kernel's
-  result) it takes, once.
-
-  Args:
-    mlir_text: the module's text.
-    kernel_targets: custom-call targets that are kernels.
-    large: list the arrays of at least this many elements (None: none listed).
-
-  Returns:
-    dict(kernels=[dict(target, operands, results, bytes)], kernel_bytes, xla_bytes, total_bytes, large_arrays).
-  """
-  from jax._src.interpreters import mlir as jax_mlir
-  from jax._src.lib.mlir import ir
-
-  with jax_mlir.make_ir_context():
-    module = ir.Module.parse(mlir_text)
-    funcs = {ir.StringAttr(op.attributes["sym_name"]).value: op.operation for op in module.body.operations
-             if op.operation.name == "func.func"}
-    main = funcs["main"]
-    arrays, kernels = [], []
-
-    def new(value, producer):
-      if value.type.typeid != ir.RankedTensorType.static_typeid:  # tokens and the like move nothing
-        return None
-      a = _Array(value.type, producer)
-      arrays.append(a)
-      return a
-
-    def run(block, env) -> list:
-      """Walks ``block`` with ``env`` (its values → _Array); returns its terminator's arrays."""
-      for op in block.operations:
-        op = op.operation
-        ins = [env.get(v) for v in op.operands]
-        if op.name in ("func.return", "stablehlo.return"):
-          return ins
-        callee = _callee(op)
-        if callee is not None:
-          body = funcs[callee].regions[0].blocks[0]
-          outs = run(body, dict(zip(body.arguments, ins)))
-        elif op.name in ("stablehlo.case", "stablehlo.if"):
-          counts_ = [_kernel_count([r], funcs) for r in op.regions]
-          best = min(range(len(op.regions)), key=lambda i: (-counts_[i][0], counts_[i][1]))
-          for a in ins:
-            if a is not None:
-              a.readers.add("xla")
-          outs = run(op.regions[best].blocks[0], env)  # a branch sees the values around it
-        elif op.name == "stablehlo.custom_call" and _target(op) in kernel_targets:
-          for a in ins:
-            if a is not None:
-              a.readers.add("kernel")
-          outs = [new(r, "kernel") for r in op.results]
-          kernels.append(dict(target=_target(op), operands=[a.type for a in ins if a is not None],
-                              results=[a.type for a in outs if a is not None],
-                              bytes=sum(a.bytes for a in ins + outs if a is not None)))
-        else:
-          for a in ins:
-            if a is not None:
-              a.readers.add("xla")
-          outs = [new(r, "xla") for r in op.results]
-        env.update(zip(op.results, outs))
-      return []
-
-    body = main.regions[0].blocks[0]
-    env = {arg: new(arg, "arg") for arg in body.arguments}
-    for a in run(body, env):
-      if a is not None:
-        a.readers.add("output")
-  written = sum(a.bytes for a in arrays if a.producer == "xla" and a.readers & {"kernel", "output"})
-  read = sum(a.bytes for a in arrays if a.producer in ("arg", "kernel") and "xla" in a.readers)
-  kernel_bytes = sum(k["bytes"] for k in kernels)
-  out = dict(kernels=kernels, kernel_bytes=kernel_bytes, xla_bytes=written + read,
-             total_bytes=kernel_bytes + written + read)
-  if large is not None:
-    sizes = lambda t: math.prod(int(x) for x in re.findall(r"(\d+)x", t))
-    out["large_arrays"] = sorted({a.type for a in arrays if sizes(a.type) >= large}, key=sizes, reverse=True)
-  return out
-
-
-def export_traffic(length: int, *, batch: int, heads: int, head_dim: int, num_features: int,
-                   platform: str = "tpu", **options) -> dict:
-  """Exports ``favor_attention(q, k, v, projection, causal=True, causal_method="pallas", **options)`` on bfloat16
-  abstract inputs [batch, length, heads, head_dim] for ``platform``, forward and gradient (of Σ out², w.r.t. q, k,
-  v), and reads their traffic (``program_traffic``), per token and head.
-
-  Returns:
-    {"fwd", "fwd_bwd"}: each dict(kernel, xla, total bytes per token and head, kernels, large_arrays).
-  """
-  import jax
-  import jax.numpy as jnp
-
-  from favor_jax import core
-
-  shape = jax.ShapeDtypeStruct((batch, length, heads, head_dim), jnp.bfloat16)
-  proj = jax.ShapeDtypeStruct((num_features, head_dim), jnp.float32)
-  fwd = lambda q, k, v, p: core.favor_attention(q, k, v, p, causal=True, causal_method="pallas", **options)
-  grad = jax.grad(lambda *a: jnp.sum(fwd(*a).astype(jnp.float32) ** 2), argnums=(0, 1, 2))
-  tokens = batch * length * heads
-  out = {}
-  for passes, fn in (("fwd", fwd), ("fwd_bwd", grad)):
-    text = jax.export.export(jax.jit(fn), platforms=[platform])(shape, shape, shape, proj).mlir_module()
-    t = program_traffic(text, large=tokens * num_features // 2)
-    out[passes] = dict(kernel_bytes_per_token=t["kernel_bytes"] / tokens, xla_bytes_per_token=t["xla_bytes"] / tokens,
-                       bytes_per_token=t["total_bytes"] / tokens, kernels=t["kernels"],
-                       large_arrays=t["large_arrays"])
-  return out
-
-
-def export_design(label: str, lengths=LENGTHS, shape: dict = EXPORT) -> dict:
-  """Every length's ``export_traffic`` of this checkout's kernels, labelled (with the commit it was read at)."""
+def export_design(label: str, lengths=LENGTHS, shape: dict = EXPORT, progress=print) -> dict:
+  """This checkout's fused kernels read from their exported programs, labelled with the commit they were read at:
+  ``lengths`` (L → ``export_traffic``) for TPU, ``cuda`` the same for an NVIDIA GPU (the H200 rows use it), and
+  ``variants`` (gated, packed) for TPU at L=16384."""
   try:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
                             check=True).stdout.strip()
   except (OSError, subprocess.CalledProcessError):
     commit = "unknown"
+  read = lambda n, **kw: progress(f"exporting L={n} {kw or ''}") or export_traffic(n, **shape, **kw)
   return dict(label=label, commit=commit, shape=shape, platform="tpu",
-              lengths={str(n): export_traffic(n, **shape) for n in lengths})
+              lengths={str(n): read(n) for n in lengths}, cuda={str(n): read(n, platform="cuda") for n in lengths},
+              variants={name: read(16384, **{name: True}) for name in ("gated", "packed")})
+
+
+GPU_CHIPS = ("h200",)  # chips whose exported bytes are the CUDA programs'
 
 
 def designs(results: pathlib.Path = RESULTS / "cost_model") -> dict:
@@ -284,13 +129,14 @@ def predict(method: str, chip: str, length: int, *, batch: int, heads: int, head
             chunk: int, bytes_in: int, passes: str = "fwd", design: dict | None = None) -> dict:
   """The roofline time (s) of one causal call [batch, length, heads, head_dim] and which bound sets it.
   ``design`` (an ``export_design`` record, method "favor_fused"): its bytes read from the exported programs at
-  ``length`` (the nearest exported length's bytes per token), instead of the formula's."""
+  ``length`` (the nearest exported length's bytes per token; CUDA's for a GPU), instead of the formula's."""
   flops, nbytes = per_token(method, length, head_dim, num_features, chunk, bytes_in)
   if passes == "fwd_bwd":
     flops, nbytes = flops * BACKWARD[method][0], nbytes * BACKWARD[method][1]
   if design is not None:
-    near = min(design["lengths"], key=lambda n: abs(math.log(int(n) / length)))
-    nbytes = design["lengths"][near][passes]["bytes_per_token"]
+    programs = design.get("cuda") or design["lengths"] if chip in GPU_CHIPS else design["lengths"]
+    near = min(programs, key=lambda n: abs(math.log(int(n) / length)))
+    nbytes = programs[near][passes]["bytes_per_token"]
   tokens = batch * heads * length
   compute, memory = tokens * flops / CHIPS[chip]["flops"], tokens * nbytes / CHIPS[chip]["hbm"]
   return dict(method=method if design is None else f"favor_fused [{design['label']}]", chip=chip, seq_len=length,
@@ -358,7 +204,7 @@ def markdown(t: dict) -> str:
   lines = [f"PREDICTIONS: roofline max(FLOPs/peak, bytes/HBM) of causal attention, B={s['batch']} H={s['heads']} "
            f"D={s['head_dim']} M={s['num_features']} C={s['chunk']}, bfloat16 inputs; measured: H200, 2026-11-30. "
            "favor_fused: bytes by formula; favor_fused [design]: bytes read from that design's programs exported "
-           "for TPU (" + "; ".join(f"{k}: commit {d['commit']}" for k, d in t.get("designs", {}).items()) + ").",
+           "for TPU (for the H200: for CUDA) (" + "; ".join(f"{k}: commit {d['commit']}" for k, d in t.get("designs", {}).items()) + ").",
            "", "| chip | method | pass | L | FLOP/token/head | bytes/token/head | bound | predicted (ms) "
            "| measured (ms) | measured/predicted |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
   for r in t["rows"]:

@@ -12,7 +12,7 @@ import jax.extend
 import jax.numpy as jnp
 import pytest
 
-from experiments.studies import cost_model
+from experiments.studies import cost_model, programs
 from favor_jax import core
 
 
@@ -103,7 +103,7 @@ def test_program_traffic_counts_the_kernels_and_the_arrays_xla_moves_around_them
 
   abstract = (jax.ShapeDtypeStruct((4, 8), jnp.bfloat16), jax.ShapeDtypeStruct((8, 8), jnp.float32),
               jax.ShapeDtypeStruct((), jnp.int32))
-  t = cost_model.program_traffic(jax.jit(program).lower(*abstract).as_text(), large=64)
+  t = programs.program_traffic(jax.jit(program).lower(*abstract).as_text(), large=64)
   assert [k["operands"] for k in t["kernels"]] == [["tensor<4x8xf32>", "tensor<4x8xbf16>"], ["tensor<4x8xf32>"]]
   assert t["kernel_bytes"] == (128 + 64 + 128) + (128 + 128)
   # XLA: reads x, p, flag (4 B) and the second kernel's result (for the fallback's test and the + 1); writes the
@@ -118,7 +118,7 @@ def test_the_exported_fused_kernels_traffic_is_their_operands_and_results():
   design): kernels in both programs, each kernel's bytes the sum of its types' bytes, the gradient program moving
   more than the forward, and per-token bytes that do not depend on L (the linear pass's traffic is O(L))."""
   shape = dict(batch=1, heads=2, head_dim=16, num_features=32)
-  short, long = (cost_model.export_traffic(n, **shape) for n in (256, 512))
+  short, long = (programs.export_traffic(n, **shape) for n in (256, 512))
   for passes in ("fwd", "fwd_bwd"):
     kernels = short[passes]["kernels"]
     assert kernels and all(k["bytes"] == sum(map(_type_bytes, k["operands"] + k["results"])) for k in kernels)
