@@ -204,7 +204,8 @@ def markdown(t: dict) -> str:
   lines = [f"PREDICTIONS: roofline max(FLOPs/peak, bytes/HBM) of causal attention, B={s['batch']} H={s['heads']} "
            f"D={s['head_dim']} M={s['num_features']} C={s['chunk']}, bfloat16 inputs; measured: H200, 2026-11-30. "
            "favor_fused: bytes by formula; favor_fused [design]: bytes read from that design's programs exported "
-           "for TPU (for the H200: for CUDA) (" + "; ".join(f"{k}: commit {d['commit']}" for k, d in t.get("designs", {}).items()) + ").",
+           "for TPU (for the H200: for CUDA) ("
+           + "; ".join(f"{k}: commit {d['commit']}" for k, d in t.get("designs", {}).items()) + ").",
            "", "| chip | method | pass | L | FLOP/token/head | bytes/token/head | bound | predicted (ms) "
            "| measured (ms) | measured/predicted |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
   for r in t["rows"]:
