@@ -303,6 +303,12 @@ def summarize(records, config) -> str:
       if fav and fav["status"] == "ok":
         lines.append(f"- L={key[2]} {key[3]}: {r['method']} / FAVOR+ bidirectional = "
                      f"{r['median_s'] / fav['median_s']:.1f}×")
+    if r["method"] == "softmax":  # our reference against jax's (XLA on a CPU, cuDNN on a GPU): how fair a baseline
+      jax_ = t.get(("jax_dot_product_attention",) + key[1:])
+      if jax_ and jax_["status"] == "ok":
+        lines.append(f"- L={key[2]} {'causal' if key[1] else 'bidirectional'} {key[3]}: our softmax / "
+                     f"jax.nn.dot_product_attention = {r['median_s'] / jax_['median_s']:.2f}× time, "
+                     f"{r['peak_bytes'] / jax_['peak_bytes']:.2f}× memory")
     if r["method"] == "favor_scan":
       fav = t.get(("favor", True, r["seq_len"], r["pass"]))
       if fav and fav["status"] == "ok":
