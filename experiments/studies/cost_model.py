@@ -192,8 +192,18 @@ def table(shape: dict = STUDY, results: pathlib.Path = RESULTS, exported: dict |
                 crossover_len=crossover(method, chip, passes, design=design, **shape))
            for chip in CHIPS for method, design in methods[1:] for passes in ("fwd", "fwd_bwd")]
   return dict(label="PREDICTIONS (roofline of published peaks); measured_s: H200 bf16, 2026-11-30", shape=shape,
-              chips=CHIPS, designs={k: dict(commit=d["commit"], shape=d["shape"], platform=d["platform"])
-                                    for k, d in exported.items()}, rows=rows, crossovers=cross)
+              chips=CHIPS, designs={k: dict(commit=d["commit"], shape=d["shape"], platform=d["platform"],
+                                            read=_read(d)) for k, d in exported.items()}, rows=rows, crossovers=cross)
+
+
+def _read(design: dict, length: str = "16384") -> list[dict]:
+  """What a design's programs move at ``length``, per program read: the rows of the markdown's designs table."""
+  programs = [("tpu", design["lengths"]), ("cuda", design.get("cuda", {}))]
+  programs += [(f"tpu {name}", {length: read}) for name, read in design.get("variants", {}).items()]
+  return [dict(program=name, passes=passes, kernels=len(r["kernels"]), kernel_bytes=r["kernel_bytes_per_token"],
+               xla_bytes=r["xla_bytes_per_token"], bytes=r["bytes_per_token"], large_arrays=r["large_arrays"],
+               operand_types=sorted({t.rpartition("x")[2].rstrip(">") for k in r["kernels"] for t in k["operands"]}))
+          for name, by_length in programs if length in by_length for passes, r in by_length[length].items()]
 
 
 OLD_DESIGN = "features from XLA"  # the label of exported_features_from_xla.json
@@ -213,6 +223,14 @@ def markdown(t: dict) -> str:
     ratio = "" if r["measured_over_predicted"] is None else f"{r['measured_over_predicted']:.1f}×"
     lines.append(f"| {r['chip']} | {r['method']} | {r['passes']} | {r['seq_len']} | {r['flops_per_token']:.3g} | "
                  f"{r['bytes_per_token']:.3g} | {r['bound']} | {1e3 * r['predicted_s']:.3f} | {seen} | {ratio} |")
+  for label, d in t.get("designs", {}).items():
+    lines += ["", f"Design [{label}] (commit {d['commit']}), read from its exported programs at L=16384, bytes per "
+              "token and head; large arrays: at least B·L·H·M/2 elements anywhere in the program.", "",
+              "| program | pass | kernels | kernel operand dtypes | kernel bytes | XLA bytes | total | large arrays |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines += [f"| {r['program']} | {r['passes']} | {r['kernels']} | {', '.join(r['operand_types'])} | "
+              f"{r['kernel_bytes']:.0f} | {r['xla_bytes']:.0f} | {r['bytes']:.0f} | {', '.join(r['large_arrays'])} |"
+              for r in d.get("read", [])]
   lines += ["", "| chip | method | pass | predicted crossover L (faster than flash from) |",
             "| --- | --- | --- | --- |"]
   for c in t["crossovers"]:
