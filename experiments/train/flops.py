@@ -48,6 +48,7 @@ import jax.numpy as jnp
 
 from experiments import tasks
 from favor_jax import core
+from favor_jax.core import hybrid
 from favor_jax.layers.settings import projection_role
 
 CONVENTIONS = ("whole", "half")  # how a causal mask's products are counted (module doc)
@@ -154,8 +155,7 @@ def favor_flops(head_dim: int, features: int, *, rows: int | None, qk_dim: int |
     per_pass += half * 2 * chunk * (features + head_dim + 1)
   total = passes * per_pass
   if window:
-    from favor_jax.core import hybrid  # the exact part's block size
-    block = max(window, hybrid.LOCAL_BLOCK)
+    block = max(window, hybrid.LOCAL_BLOCK)  # the exact part's query blocks
     total += (half * 2 * block if causal else 3 * block) * 2 * (dq + head_dim)
   return total
 
