@@ -9,12 +9,13 @@ TPU v5e, v5p and an H200 from their published peak rates, and the H200 measureme
 FLOPs come from the one counting module (``experiments.train.flops``: matrix products, 2 per multiply-add;
 forward + backward as what runs: 3× the forward for FAVOR, 3.5× for flash attention, whose backward recomputes
 the scores). Bytes: flash attention and the XLA chunked pass by formula (``experiments.train.flops``: what must
-cross HBM at least); the fused kernels **read from their compiled programs**: ``favor_attention(...,
-causal_method="pallas")`` and its gradient are exported for TPU from this machine (``jax.export`` with
-``platforms=["tpu"]`` on abstract inputs, nothing allocated), and ``programs.program_traffic`` adds up what
-crosses HBM:
-every kernel's (Mosaic/Triton custom call's) operands and results, and the XLA arrays around them (each array
-that crosses between XLA and a kernel or the program's edge written once and read once; XLA fusing the rest).
+cross HBM at least). The fused kernels are also **read from their compiled programs** (``experiments/studies/
+programs.py``): ``favor_attention(..., causal_method="pallas")`` and its gradient are exported for TPU and CUDA
+from this machine (``jax.export`` on abstract inputs, nothing allocated); ``program_traffic`` adds up what crosses
+HBM — every kernel's (Mosaic/Triton custom call's) operands and results, and the XLA arrays around them (each
+array that crosses between XLA and a kernel or the program's edge written once and read once; XLA fusing the
+rest) — and ``jaxpr_flops`` the products the program computes (a kernel's body times its grid: padding and
+recomputation included).
 Each export is kept as ``exported_<label>.json`` beside the table, so a new kernel design adds a row and the
 old design's row stays (``exported_features_from_xla.json``: the design whose features XLA computes). A
 prediction is the roofline max(FLOPs / peak FLOP/s, bytes / HBM bandwidth) of an ideal chip: PREDICTIONS, not
@@ -128,15 +129,16 @@ BACKWARD = {method: (flops, 3.0) for method, flops in counts.HARDWARE_FWD_BWD.it
 def predict(method: str, chip: str, length: int, *, batch: int, heads: int, head_dim: int, num_features: int,
             chunk: int, bytes_in: int, passes: str = "fwd", design: dict | None = None) -> dict:
   """The roofline time (s) of one causal call [batch, length, heads, head_dim] and which bound sets it.
-  ``design`` (an ``export_design`` record, method "favor_fused"): its bytes read from the exported programs at
-  ``length`` (the nearest exported length's bytes per token; CUDA's for a GPU), instead of the formula's."""
+  ``design`` (an ``export_design`` record, method "favor_fused"): its bytes and FLOPs read from the exported
+  programs at ``length`` (the nearest exported length's, per token; CUDA's for a GPU), instead of the formulas'."""
   flops, nbytes = per_token(method, length, head_dim, num_features, chunk, bytes_in)
   if passes == "fwd_bwd":
     flops, nbytes = flops * BACKWARD[method][0], nbytes * BACKWARD[method][1]
   if design is not None:
     programs = design.get("cuda") or design["lengths"] if chip in GPU_CHIPS else design["lengths"]
     near = min(programs, key=lambda n: abs(math.log(int(n) / length)))
-    nbytes = programs[near][passes]["bytes_per_token"]
+    read = programs[near][passes]
+    nbytes, flops = read["bytes_per_token"], read.get("flops_per_token", flops)  # the products it computes
   tokens = batch * heads * length
   compute, memory = tokens * flops / CHIPS[chip]["flops"], tokens * nbytes / CHIPS[chip]["hbm"]
   return dict(method=method if design is None else f"favor_fused [{design['label']}]", chip=chip, seq_len=length,
@@ -202,6 +204,7 @@ def _read(design: dict, length: str = "16384") -> list[dict]:
   programs += [(f"tpu {name}", {length: read}) for name, read in design.get("variants", {}).items()]
   return [dict(program=name, passes=passes, kernels=len(r["kernels"]), kernel_bytes=r["kernel_bytes_per_token"],
                xla_bytes=r["xla_bytes_per_token"], bytes=r["bytes_per_token"], large_arrays=r["large_arrays"],
+               kernel_flops=r.get("kernel_flops_per_token"), flops=r.get("flops_per_token"),
                operand_types=sorted({t.rpartition("x")[2].rstrip(">") for k in r["kernels"] for t in k["operands"]}))
           for name, by_length in programs if length in by_length for passes, r in by_length[length].items()]
 
@@ -226,11 +229,11 @@ def markdown(t: dict) -> str:
   for label, d in t.get("designs", {}).items():
     lines += ["", f"Design [{label}] (commit {d['commit']}), read from its exported programs at L=16384, bytes per "
               "token and head; large arrays: at least B·L·H·M/2 elements anywhere in the program.", "",
-              "| program | pass | kernels | kernel operand dtypes | kernel bytes | XLA bytes | total | large arrays |",
-              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+              "| program | pass | kernels | kernel operand dtypes | kernel bytes | XLA bytes | total | kernel FLOPs "
+              "| FLOPs | large arrays |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     lines += [f"| {r['program']} | {r['passes']} | {r['kernels']} | {', '.join(r['operand_types'])} | "
-              f"{r['kernel_bytes']:.0f} | {r['xla_bytes']:.0f} | {r['bytes']:.0f} | {', '.join(r['large_arrays'])} |"
-              for r in d.get("read", [])]
+              f"{r['kernel_bytes']:.0f} | {r['xla_bytes']:.0f} | {r['bytes']:.0f} | {r.get('kernel_flops', 0):.3g} | "
+              f"{r.get('flops', 0):.3g} | {', '.join(r['large_arrays'])} |" for r in d.get("read", [])]
   lines += ["", "| chip | method | pass | predicted crossover L (faster than flash from) |",
             "| --- | --- | --- | --- |"]
   for c in t["crossovers"]:

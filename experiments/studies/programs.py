@@ -1,5 +1,6 @@
 """What a compiled program moves through HBM, read from its exported StableHLO: the kernels' (Mosaic or Triton
-custom calls') operands and results, and the XLA arrays around them. The cost model's bytes of the fused kernels
+custom calls') operands and results, and the XLA arrays around them; and the matrix products it computes, read
+from its jaxpr (the kernels' bodies times their grids). The cost model's bytes and FLOPs of the fused kernels
 (``experiments/studies/cost_model.py``) come from here.
 
     from experiments.studies import programs
@@ -12,6 +13,7 @@ import math
 import re
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 from jax.interpreters import mlir as jax_mlir
 from jaxlib.mlir import ir
@@ -149,6 +151,74 @@ def program_traffic(mlir_text: str, kernel_targets=KERNEL_TARGETS, large: int | 
   return out
 
 
+def _eqns(jaxpr):
+  for eqn in jaxpr.eqns:
+    yield eqn
+    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+      yield from _eqns(sub)
+
+
+def _compiler(eqn) -> str:
+  """Which compiler a ``pallas_call`` is for: "tpu" (Mosaic), "cuda" (Triton or Mosaic GPU), "" otherwise."""
+  module = type(eqn.params.get("compiler_params")).__module__.lower()
+  if "mosaic" in module and "gpu" not in module:
+    return "tpu"
+  return "cuda" if "triton" in module or "gpu" in module else ""
+
+
+def jaxpr_flops(jaxpr, platform: str = "tpu", in_kernel: bool = False) -> dict:
+  """The matrix products of a traced program (``jax.make_jaxpr(fn)(...).jaxpr``), 2 FLOPs per multiply-add.
+
+  A ``pallas_call``'s body counts once per grid step; a scan's body once per step; of a conditional, the branch
+  with ``platform``'s kernels if one has them (``lax.platform_dependent``), else the branch with the most kernels
+  (among equals the one of fewest operations: the fast path, as ``program_traffic`` takes it); a while loop's body
+  has no static trip count and is left out, its products reported in ``uncounted``.
+
+  Args:
+    jaxpr: the program.
+    platform: "tpu" or "cuda": whose kernels a platform choice takes.
+    in_kernel: count every product as a kernel's (inside a ``pallas_call``).
+
+  Returns:
+    dict(kernel, xla: FLOPs inside kernels and outside them; kernels: pallas calls; ops: equations; uncounted).
+  """
+  out = dict(kernel=0.0, xla=0.0, kernels=0, ops=0, uncounted=0.0)
+
+  def add(part, times=1):
+    for key in out:
+      out[key] += part[key] * (times if key in ("kernel", "xla", "uncounted") else 1)
+
+  for eqn in jaxpr.eqns:
+    out["ops"] += 1
+    name = eqn.primitive.name
+    if name == "dot_general":
+      (contract, _), _ = eqn.params["dimension_numbers"]
+      lhs = eqn.invars[0].aval.shape
+      out["kernel" if in_kernel else "xla"] += (2 * math.prod(eqn.outvars[0].aval.shape)
+                                                * math.prod(lhs[i] for i in contract))
+    elif name == "pallas_call":
+      body = jaxpr_flops(eqn.params["jaxpr"], platform, True)
+      out["kernels"] += 1
+      add(dict(body, kernels=body["kernels"], ops=body["ops"]), math.prod(eqn.params["grid_mapping"].grid))
+    elif name == "cond":
+      branches = [b.jaxpr for b in eqn.params["branches"]]
+      ours = [any(e.primitive.name == "pallas_call" and _compiler(e) == platform for e in _eqns(b)) for b in branches]
+      parts = [jaxpr_flops(b, platform, in_kernel) for b in branches]
+      best = ours.index(True) if any(ours) else min(range(len(parts)), key=lambda i: (-parts[i]["kernels"],
+                                                                                      parts[i]["ops"]))
+      add(parts[best])
+    elif name == "scan":
+      add(jaxpr_flops(eqn.params["jaxpr"].jaxpr, platform, in_kernel), eqn.params["length"])
+    elif name == "while":
+      body = jaxpr_flops(eqn.params["body_jaxpr"].jaxpr, platform, in_kernel)
+      out["uncounted"] += body["kernel"] + body["xla"] + body["uncounted"]
+      out["kernels"] += body["kernels"]
+    else:
+      for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+        add(jaxpr_flops(sub, platform, in_kernel))
+  return out
+
+
 def export_traffic(length: int, *, batch: int, heads: int, head_dim: int, num_features: int, platform: str = "tpu",
                    gated: bool = False, packed: bool = False) -> dict:
   """Exports ``favor_attention(q, k, v, projection, causal=True, causal_method="pallas")`` and its gradient (of
@@ -166,8 +236,9 @@ def export_traffic(length: int, *, batch: int, heads: int, head_dim: int, num_fe
     packed: with int32 ``segment_ids`` [B, L].
 
   Returns:
-    {"fwd", "fwd_bwd"}: each dict(kernel_bytes_per_token, xla_bytes_per_token, bytes_per_token (per token and
-    head), kernels, large_arrays (of at least B·L·H·M/2 elements)).
+    {"fwd", "fwd_bwd"}: each dict(kernel_bytes_per_token, xla_bytes_per_token, bytes_per_token,
+    kernel_flops_per_token, flops_per_token (the program's matrix products, ``jaxpr_flops``; all per token and
+    head), uncounted_flops (inside while loops), kernels, large_arrays (of at least B·L·H·M/2 elements)).
   """
   shape = jax.ShapeDtypeStruct((batch, length, heads, head_dim), jnp.bfloat16)
   extra = dict(log_gate=jax.ShapeDtypeStruct((batch, length, heads), jnp.float32) if gated else None,
@@ -181,7 +252,9 @@ def export_traffic(length: int, *, batch: int, heads: int, head_dim: int, num_fe
   for passes, fn in (("fwd", fwd), ("fwd_bwd", grad)):
     text = jax.export.export(jax.jit(fn), platforms=[platform], disabled_checks=ACCEPTED)(*abstract).mlir_module()
     t = program_traffic(text, large=tokens * num_features // 2)
+    f = jaxpr_flops(jax.make_jaxpr(fn)(*abstract).jaxpr, platform)
     out[passes] = dict(kernel_bytes_per_token=t["kernel_bytes"] / tokens, xla_bytes_per_token=t["xla_bytes"] / tokens,
-                       bytes_per_token=t["total_bytes"] / tokens, kernels=t["kernels"],
-                       large_arrays=t["large_arrays"])
+                       bytes_per_token=t["total_bytes"] / tokens, kernel_flops_per_token=f["kernel"] / tokens,
+                       flops_per_token=(f["kernel"] + f["xla"]) / tokens, uncounted_flops=f["uncounted"],
+                       kernels=t["kernels"], large_arrays=t["large_arrays"])
   return out

@@ -125,4 +125,27 @@ def test_the_exported_fused_kernels_traffic_is_their_operands_and_results():
     tokens = shape["batch"] * shape["heads"] * 256
     assert short[passes]["kernel_bytes_per_token"] == sum(k["bytes"] for k in kernels) / tokens
     assert short[passes]["bytes_per_token"] == pytest.approx(long[passes]["bytes_per_token"], rel=0.05)
+    assert short[passes]["flops_per_token"] >= short[passes]["kernel_flops_per_token"] > 0
   assert short["fwd_bwd"]["kernel_bytes_per_token"] > short["fwd"]["kernel_bytes_per_token"]
+
+
+def test_jaxpr_flops_counts_a_kernel_body_per_grid_step_and_the_platforms_branch():
+  """A Pallas kernel of one [8, 16]·[16, 8] product per grid step on a grid of 3, beside an XLA product; a
+  conditional's branches: the fallback's products are not the fast path's."""
+  from jax.experimental import pallas as pl
+
+  def body(x_ref, y_ref, o_ref):
+    o_ref[...] = x_ref[...] @ y_ref[...]
+
+  kernel = pl.pallas_call(body, grid=(3,), in_specs=[pl.BlockSpec((8, 16), lambda i: (i, 0)),
+                                                    pl.BlockSpec((16, 8), lambda i: (0, 0))],
+                          out_specs=pl.BlockSpec((8, 8), lambda i: (i, 0)),
+                          out_shape=jax.ShapeDtypeStruct((24, 8), jnp.float32), interpret=True)
+
+  def program(x, y):
+    out = kernel(x, y) @ jnp.ones((8, 4))  # XLA: 2·24·8·4
+    return jax.lax.cond(jnp.all(out > 0), lambda o: o, lambda o: o @ jnp.ones((4, 4)), out)  # the fallback: 2·24·4·4
+
+  abstract = (jax.ShapeDtypeStruct((24, 16), jnp.float32), jax.ShapeDtypeStruct((16, 8), jnp.float32))
+  counted = programs.jaxpr_flops(jax.make_jaxpr(program)(*abstract).jaxpr)
+  assert counted["kernel"] == 3 * 2 * 8 * 16 * 8 and counted["xla"] == 2 * 24 * 8 * 4 and counted["kernels"] == 1
