@@ -27,10 +27,10 @@ stage "Pallas tests on the GPU (compiled kernels, not the interpreter)"
 XLA_PYTHON_CLIENT_PREALLOCATE=false timeout "${TEST_TIMEOUT:-90}" \
   python3 -m pytest -o addopts="" -q -n 4 -p no:cacheprovider tests/core/test_fused.py 2>&1 | tail -30
 
-stage "speed study: causal, bfloat16, cuDNN vs XLA chunked vs fused Pallas"
+stage "speed study: causal, bfloat16, our softmax and cuDNN vs XLA chunked vs fused Pallas"
 timeout "${SPEED_TIMEOUT:-240}" python3 -m experiments.main --config=experiments/configs/speed.py \
   --workdir="$OUT/speed" --config.dtype=bfloat16 --config.memory=compiled --config.causal="(True,)" \
-  --config.methods="('jax_dot_product_attention', 'favor', 'favor_pallas')" \
+  --config.methods="('softmax', 'jax_dot_product_attention', 'favor', 'favor_pallas')" \
   --config.seq_lens="${SPEED_LENS:-(4096, 16384, 65536, 131072)}" --config.repeats=3 2>&1 | grep -v "^|" | tail -60
 
 stage "gated speed row: FAVOR+ with a forget gate, XLA chunked vs fused Pallas (gates in the kernels)"

@@ -23,7 +23,9 @@ fi
 { date -u; python3 -c "import jax, flax, optax; print('jax', jax.__version__, 'flax', flax.__version__, jax.devices())"
   python3 -c "import jax; d = jax.devices()[0]; print(getattr(d, 'device_kind', d.platform))"
 } 2>&1 | tee "$OUT/machine.txt"
-METHODS="('tpu_flash_attention', 'tpu_splash_attention', 'favor', 'favor_pallas')"
+# exact attention: our reference beside jax's TPU flash and splash kernels (jax.nn.dot_product_attention is XLA's
+# whole product on a TPU, as ours), then FAVOR+
+METHODS="('softmax', 'tpu_flash_attention', 'tpu_splash_attention', 'favor', 'favor_pallas')"
 if [ "$DRY" = "1" ]; then
   # float32: a CPU multiplies bfloat16 slowly, and the study's error check (bfloat16 only) would compile each
   # method again; the dry run checks that every stage runs, not speed or error
@@ -43,7 +45,7 @@ else
   echo "tests/core/test_fused_tpu.py is missing in this checkout: no TPU kernel tests to run"
 fi
 
-stage "speed study: causal, bfloat16, TPU flash / splash attention vs XLA chunked vs fused Pallas"
+stage "speed study: causal, bfloat16, our softmax, TPU flash / splash attention vs XLA chunked vs fused Pallas"
 timeout "${SPEED_TIMEOUT:-600}" python3 -m experiments.main --config=experiments/configs/speed.py \
   --workdir="$OUT/speed" --config.dtype=$DTYPE --config.memory=compiled --config.causal="(True,)" \
   --config.methods="$METHODS" --config.seq_lens="$LENS" $SIZES "$PASSES" 2>&1 | grep -v "^|" | tail -60

@@ -6,9 +6,10 @@
 
 On a multi-host slice every host runs the same command (docs/training.md: the launch). Size: 85M parameters
 with bytes (vocab 256), 110M with a 16k vocabulary, 134M with 32k (12 blocks of 7.1M; embedding and head
-2·V·768). Cost (experiments/train/flops.py, docs/training.md): 0.67 GFLOP per trained token at vocab 256
-(train = 3 × forward, attention included; 0.81 at 32k), so a step of 64 × 4096 = 262,144 tokens is 175 TFLOP:
-0.28 s on a v5e-8 (8 × 197 TFLOP/s) at 40% MFU, 0.12 s on 8 v5p chips (8 × 459). Memory per
+2·V·768). Cost (experiments/train/flops.py, docs/training.md): 0.70 GFLOP per trained token at vocab 256
+(train = 3 × forward, attention included, causal blocks counted whole as computed; 0.84 at 32k), so a step of
+64 × 4096 = 262,144 tokens is 182 TFLOP: 0.29 s on a v5e-8 (8 × 197 TFLOP/s) at an assumed 40% MFU, 0.12 s on 8
+v5p chips (8 × 459); none measured. Memory per
 chip with FSDP over 8: parameters, gradients and AdamW's two moments in float32, 16 bytes × 85M / 8 = 170 MB;
 activations with model.remat="block": each block's bfloat16 input kept, microbatch 2 per chip × 4096 × 768 ×
 2 B × 12 blocks = 150 MB, plus one block recomputed at a time (its float32 features [2, 4096, 12, 256] and MLP

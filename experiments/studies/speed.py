@@ -26,6 +26,7 @@ import jax.numpy as jnp
 
 from experiments.studies import isolation, tpu_attention
 from experiments.studies.timing import check_timing, median_of
+from experiments.train import flops as counts
 from experiments.train import paths, plotting
 from favor_jax import core
 
@@ -111,28 +112,21 @@ def _linear(e: Estimator, q, k, v, p, causal):
 
 
 def flops(name, causal, b, length, h, d, m, on_gpu=False):
-  """Forward FLOPs as computed: XLA's exact attention computes the full L×L product even when causal;
-  cuDNN's skips the blocks above the diagonal. Linear methods: features, state updates and read-outs,
-  the masked product inside causal chunks, and a hybrid's exact blocks (bidirectional hybrids run the
-  causal pass both ways)."""
+  """Forward FLOPs as computed (``experiments.train.flops``, convention "whole"): XLA's exact attention computes
+  the full L×L product even when causal; cuDNN's and jax's TPU kernels skip the blocks above the diagonal.
+  Linear methods: features, state updates and read-outs, the masked product inside causal chunks, and a
+  hybrid's exact blocks (bidirectional hybrids run the causal pass both ways)."""
   if name in EXACT:
-    full = 4 * b * h * length * length * d
     skips = (on_gpu and name == "jax_dot_product_attention") or name in tpu_attention.METHODS  # blocks above
-    return full // 2 if causal and skips else full
+    return b * h * length * counts.softmax_flops(length, d, causal=causal, skips_masked=skips)
   e = estimator(name)
   dq = e.qk_dim or d
   kern = core.get_kernel(e.kernel)
-  f = kern.num_features(m if kern.needs_projection else None, dq)
-  features = 2 * 2 * m * dq if kern.needs_projection else 2 * f  # ωx for q and k; Taylor: the products
-  passes = 2 if e.window and not causal else 1
-  per_pass = 2 * 2 * f * (d + 1)  # state update and read-out
-  if (causal or e.window) and e.causal_method in CHUNKED:
-    per_pass += 2 * CHUNK * (f + d + 1)  # masked quadratic product inside a chunk
-  per_token = features * passes + per_pass * passes
-  if e.window:
-    context = max(e.window, 32) * (2 if causal else 3)  # hybrid.LOCAL_BLOCK: own and neighbouring blocks
-    per_token += 2 * context * (dq + d)
-  return b * h * length * per_token
+  rows = m if kern.needs_projection else None  # the study gives every kernel that takes one the [M, D] projection
+  f = kern.num_features(rows, dq)
+  chunk = CHUNK if e.causal_method in CHUNKED else None
+  return b * h * length * counts.favor_flops(d, f, rows=rows, qk_dim=dq, causal=causal, chunk=chunk,
+                                             window=e.window)
 
 
 def matmul_ceiling(dtype, on_gpu):
@@ -199,7 +193,8 @@ def measure(job):
       rec["peak_bytes"] = isolation.peak_rss() - base + int(mem.argument_size_in_bytes)
     else:
       rec["peak_bytes"] = rec["compiled_bytes"]
-    work = flops(job["method"], job["causal"], b, length, h, d, m, on_gpu) * (1 if job["pass"] == "fwd" else 3)
+    work = flops(job["method"], job["causal"], b, length, h, d, m, on_gpu)
+    work *= 1 if job["pass"] == "fwd" else counts.MODEL_FWD_BWD
     rec["gflops_per_s"] = work / rec["median_s"] / 1e9
     rec["fraction_of_matmul"] = rec["gflops_per_s"] / job["matmul_gflops_per_s"]
     if job["pass"] == "fwd" and job["dtype"] != "float32":
@@ -307,6 +302,12 @@ def summarize(records, config) -> str:
       if fav and fav["status"] == "ok":
         lines.append(f"- L={key[2]} {key[3]}: {r['method']} / FAVOR+ bidirectional = "
                      f"{r['median_s'] / fav['median_s']:.1f}×")
+    if r["method"] == "softmax":  # our reference against jax's (XLA on a CPU, cuDNN on a GPU): how fair a baseline
+      jax_ = t.get(("jax_dot_product_attention",) + key[1:])
+      if jax_ and jax_["status"] == "ok":
+        lines.append(f"- L={key[2]} {'causal' if key[1] else 'bidirectional'} {key[3]}: our softmax / "
+                     f"jax.nn.dot_product_attention = {r['median_s'] / jax_['median_s']:.2f}× time, "
+                     f"{r['peak_bytes'] / jax_['peak_bytes']:.2f}× memory")
     if r["method"] == "favor_scan":
       fav = t.get(("favor", True, r["seq_len"], r["pass"]))
       if fav and fav["status"] == "ok":

@@ -87,9 +87,40 @@ def final_record(name: str, config, records: list[dict]) -> dict:
       steps=config.train.steps, seed=config.train.seed,
       train_loss=trains[-1]["train_loss"], **{k: v for k, v in evals[-1].items() if k.startswith("eval_")},
       best_eval_accuracy=max(r["eval_accuracy"] for r in evals),
-      steps_per_s=trains[-1].get("steps_per_s", float("nan")),
-      **{k: trains[-1][k] for k in ("tokens_per_s", "mfu", "flops_per_token", "peak", "devices", "devices_present")
-         if k in trains[-1]})
+      # steps/s over the last logging window, as tokens/s and MFU are (a record without it: the whole process's)
+      steps_per_s=trains[-1].get("window_steps_per_s", trains[-1].get("steps_per_s", float("nan"))),
+      **{k: trains[-1][k] for k in THROUGHPUT_FIELDS if k in trains[-1]})
+
+
+THROUGHPUT_FIELDS = ("window_steps_per_s", "tokens_per_s", "flops_per_token", "flops_per_token_causal_half",
+                     "ceiling", "ceiling_kind", "ceiling_flops_per_s", "devices", "devices_present", *flops.MFU_FIELDS)
+
+
+def _utilisation(r: dict) -> str:
+  """A record's MFU cell: a fraction of the published peak, or labelled as a fraction of a measured matmul."""
+  if "mfu" in r:
+    return f"{r['mfu']:.2%}"
+  return f"{r['mfu_vs_measured_matmul']:.2%} of matmul" if "mfu_vs_measured_matmul" in r else ""
+
+
+def _ceilings(records: list[dict]) -> list[str]:
+  """The summary's note on its throughput columns: the window they share, each ceiling's value and kind, the
+  convention of causal products and the other convention's figure."""
+  timed = [r for r in records if "ceiling" in r]
+  if not timed:
+    return []
+  lines = ["", "steps/s, tokens/s and MFU: the last logging window's rates (this process's clock, evaluations and "
+           "checkpoint saves excluded); MFU = tokens/s × model FLOPs per token (train: 3 × forward, attention "
+           "included, a causal product counted whole as XLA computes it; docs/training.md) / the ceiling:"]
+  for source, kind, value in sorted({(r["ceiling"], r["ceiling_kind"], r["ceiling_flops_per_s"]) for r in timed}):
+    lines.append(f"- {source}: {value / 1e12:.3g} TFLOP/s ({kind})"
+                 + (": a same-run ceiling, not the chip's peak; its column reads 'of matmul'"
+                    if kind == flops.MEASURED else ""))
+  half = [r for r in timed if "mfu_causal_half" in r or "mfu_vs_measured_matmul_causal_half" in r]
+  if half:
+    lines.append("- counting a causal product's kept half only (MaxText's convention): " + ", ".join(
+        f"{r['name']} {r.get('mfu_causal_half', r.get('mfu_vs_measured_matmul_causal_half')):.2%}" for r in half))
+  return lines
 
 
 def run(config, progress, workdir) -> list[dict]:
@@ -236,7 +267,7 @@ def summarize(records: list[dict], config) -> str:
        str(r["seed"]), str(r["steps"]), f"{r['eval_loss']:.4f}", f"{r[metric]:.4f}",
        *(f"{r[k]:.4f}" if k in r else "" for k, _ in extra),
        f"{r['best_eval_accuracy']:.4f}", str(r["state_size"]), f"{r['steps_per_s']:.2f}",
-       f"{r['tokens_per_s']:,.0f}" if "tokens_per_s" in r else "", f"{r['mfu']:.2%}" if "mfu" in r else ""]
+       f"{r['tokens_per_s']:,.0f}" if "tokens_per_s" in r else "", _utilisation(r)]
       for r in records])
   if metric == "eval_bits_per_byte":
     lines += ["", f"{metric}: held-out bits per byte of text = bits per token × the held-out target tokens / the "
@@ -245,10 +276,7 @@ def summarize(records: list[dict], config) -> str:
   elif metric == "eval_bits_per_token":
     lines += ["", f"{metric}: held-out bits per token; the token file's tokenizer is not given (data.tokenizer), so "
               "the bytes per token and bits per byte are unknown."]
-  if any("mfu" in r for r in records):
-    lines += ["", "tokens/s and MFU: the last logging window's rate (this process's clock); MFU = tokens/s × model "
-              "FLOPs per token (train: 3 × forward, attention included; docs/training.md) / the devices' peak "
-              f"({next(r['peak'] for r in records if 'peak' in r)})."]
+  lines += _ceilings(records)
   idle = [r for r in records if r.get("devices", 0) < r.get("devices_present", 0)]
   if idle:
     lines += ["", "Idle devices: " + "; ".join(f"{r['name']} trained on {r['devices']} of the {r['devices_present']} "

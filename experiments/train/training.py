@@ -54,8 +54,9 @@ __all__ = ["MAY_CHANGE_ON_RESUME", "NOT_OF_THE_RUN", "RUN_CONFIG", "TIMING_FIELD
            "make_eval", "make_lr", "make_optimizer", "make_train_step", "metric_sums", "open_checkpoints",
            "record_run_config", "run_fields", "run_lock", "train", "unused_fields"]
 
-TIMING_FIELDS = ("elapsed_s", "steps_per_s", "tokens_per_s", "mfu")  # the only metrics that differ between
-# identical runs
+# the only metrics that differ between identical runs
+TIMING_FIELDS = ("elapsed_s", "steps_per_s", "window_steps_per_s", "tokens_per_s", "ceiling_flops_per_s",
+                 *flops.MFU_FIELDS)
 # tqdm's meter, its rate in steps/s
 PROGRESS = "{l_bar}{bar:24}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}, {rate_noinv_fmt}]"
 
@@ -176,7 +177,12 @@ def _train(config, workdir: str, progress, init_params) -> tuple[list[dict], Tra
     progress(f"compiling the train step (step {step + 1} of {t.steps})")
   shape = task.train_batch(position).tokens.shape  # [B, L] of every training batch
   cost = flops.flops_per_token(config, task.vocab_size, shape[1])
-  peak, peak_source = flops.device_peak(config.model.dtype, list(mesh.devices.flat))
+  cost_half = flops.flops_per_token(config, task.vocab_size, shape[1], convention="half")  # MaxText's convention
+  ceiling = flops.device_peak(config.model.dtype, list(mesh.devices.flat))
+  counted = dict(flops_per_token=cost["train"], ceiling_flops_per_s=ceiling.flops_per_s, ceiling_kind=ceiling.kind,
+                 ceiling=ceiling.source)
+  if cost_half["train"] != cost["train"]:
+    counted["flops_per_token_causal_half"] = cost_half["train"]
   start, start_step = time.time(), step
   timing = lambda: dict(elapsed_s=time.time() - start, steps_per_s=(step - start_step) / (time.time() - start))
   # Throughput over each logging window, without the time of evaluations and checkpoint saves in it (the first
@@ -185,9 +191,11 @@ def _train(config, workdir: str, progress, init_params) -> tuple[list[dict], Tra
 
   def throughput():
     seconds = time.time() - window["start"] - window["paused"]
-    tokens_per_s = (step - window["step"]) * shape[0] * shape[1] / seconds
+    steps_per_s = (step - window["step"]) / seconds
+    tokens_per_s = steps_per_s * shape[0] * shape[1]
     window.update(start=time.time(), step=step, paused=0.0)
-    return dict(tokens_per_s=tokens_per_s, mfu=tokens_per_s * cost["train"] / peak)
+    return dict(window_steps_per_s=steps_per_s, tokens_per_s=tokens_per_s,
+                **flops.utilisation(tokens_per_s, cost, cost_half, ceiling))
 
   @contextlib.contextmanager
   def paused():
@@ -208,13 +216,13 @@ def _train(config, workdir: str, progress, init_params) -> tuple[list[dict], Tra
         sums = np.asarray(state.sums_3, np.float64)
         state = state._replace(sums_3=place(np.zeros(3, np.float32), shardings.sums_3))
         log.write(dict(kind="train", step=step, train_loss=sums[0] / sums[2], train_accuracy=sums[1] / sums[2],
-                       lr=float(lr(step - 1)), **timing(), **throughput(), flops_per_token=cost["train"],
-                       peak=peak_source, devices=int(mesh.devices.size), devices_present=jax.device_count()))
+                       lr=float(lr(step - 1)), **timing(), **throughput(), **counted,
+                       devices=int(mesh.devices.size), devices_present=jax.device_count()))
         record = log.records[-1]  # ETA from this process's rate (a resumed run restarts the clock)
         meter = tqdm.tqdm.format_meter(step, t.steps, record["elapsed_s"], rate=record["steps_per_s"],
                                        unit=" steps", ascii=" #", bar_format=PROGRESS)
         progress(f"{meter} loss {record['train_loss']:.4f}, {record['tokens_per_s']:,.0f} tokens/s, "
-                 f"MFU {record['mfu']:.1%}")
+                 f"{flops.describe_utilisation(record)}")
       if step % t.eval_every == 0 or step == t.steps:
         with paused():
             log.write(dict(kind="eval", step=step, **checked_eval(evaluate(state, final=step == t.steps), step),

@@ -1,16 +1,18 @@
 """The cost model (experiments/studies/cost_model.py): its FLOP formulas against a direct count of the matrix products
 in the programs they describe (walked in the jaxpr: every dot_general, times its loop's trip count, the
-costlier branch of a cond), and the table it writes."""
+costlier branch of a cond), its reader of exported programs against a count by hand and by the types' text, and
+the table it writes."""
 
 import json
 import math
+import re
 
 import jax
 import jax.extend
 import jax.numpy as jnp
 import pytest
 
-from experiments.studies import cost_model
+from experiments.studies import cost_model, programs
 from favor_jax import core
 
 
@@ -64,8 +66,86 @@ def test_the_table_is_a_roofline_with_its_crossovers_and_the_h200_measurements(t
   measured = [r for r in t["rows"] if r["measured_s"] is not None]
   assert {r["chip"] for r in measured} == {"h200"} and len(measured) >= 8
   shape = cost_model.STUDY
+  designs = {f"favor_fused [{label}]": d for label, d in cost_model.designs().items()}
+  assert cost_model.OLD_DESIGN in cost_model.designs()  # the design whose features XLA computes keeps its row
+  assert {r["method"] for r in t["rows"]} >= {"flash", "favor_xla", "favor_fused"} | set(designs)
   for c in t["crossovers"]:  # faster from the crossover on, slower just below it
-    length = c["crossover_len"]
-    faster = lambda n: (cost_model.predict(c["method"], c["chip"], n, passes=c["passes"], **shape)["predicted_s"]
+    length, design = c["crossover_len"], designs.get(c["method"])
+    method = "favor_fused" if design else c["method"]
+    faster = lambda n: (cost_model.predict(method, c["chip"], n, passes=c["passes"], design=design,
+                                           **shape)["predicted_s"]
                         < cost_model.predict("flash", c["chip"], n, passes=c["passes"], **shape)["predicted_s"])
     assert faster(length) and faster(4 * length) and not faster(int(length / 1.1))
+
+
+# --- the reader of exported programs ------------------------------------------------------------------------------
+
+
+def _type_bytes(text: str) -> int:
+  """Bytes of ``tensor<4x8xf32>`` read from its text: the independent reference for the reader's MLIR types."""
+  *dims, dtype = re.fullmatch(r"tensor<(.*)>", text).group(1).split("x")
+  return math.prod(int(n) for n in dims) * {"f32": 4, "bf16": 2, "i32": 4, "i1": 1}[dtype]
+
+
+def test_program_traffic_counts_the_kernels_and_the_arrays_xla_moves_around_them():
+  """A hand-built program: XLA features in a called function, a kernel, a second kernel in the costlier branch of
+  a cond, a fallback cond whose cheap branch passes the kernel's result on. Expected bytes counted by hand."""
+  kernel = lambda *a: jax.ffi.ffi_call("tpu_custom_call", jax.ShapeDtypeStruct((4, 8), jnp.float32))(*a)
+
+  @jax.jit
+  def features(x, p):  # a call: XLA reads x (4·8·2 = 64 B) and p (8·8·4 = 256 B)
+    return x.astype(jnp.float32) @ p
+
+  def program(x, p, flag):
+    y = kernel(features(x, p), x)  # XLA writes the features (128 B); the kernel reads 128 + 64, writes 128
+    y = jax.lax.cond(flag > 0, lambda y: kernel(y), lambda y: y + 0.0, y)  # the kernel's branch: reads 128, writes 128
+    return jax.lax.cond(jnp.all(y > -1), lambda y: y, lambda y: jnp.sin(y) * 2 + jnp.cos(y), y) + 1.0
+
+  abstract = (jax.ShapeDtypeStruct((4, 8), jnp.bfloat16), jax.ShapeDtypeStruct((8, 8), jnp.float32),
+              jax.ShapeDtypeStruct((), jnp.int32))
+  t = programs.program_traffic(jax.jit(program).lower(*abstract).as_text(), large=64)
+  assert [k["operands"] for k in t["kernels"]] == [["tensor<4x8xf32>", "tensor<4x8xbf16>"], ["tensor<4x8xf32>"]]
+  assert t["kernel_bytes"] == (128 + 64 + 128) + (128 + 128)
+  # XLA: reads x, p, flag (4 B) and the second kernel's result (for the fallback's test and the + 1); writes the
+  # features and the output
+  assert t["xla_bytes"] == 64 + 256 + 4 + 128 + 128 + 128
+  assert t["total_bytes"] == t["kernel_bytes"] + t["xla_bytes"] and t["large_arrays"] == ["tensor<8x8xf32>"]
+
+
+@pytest.mark.slow
+def test_the_exported_fused_kernels_traffic_is_their_operands_and_results():
+  """``favor_attention(..., causal_method="pallas")`` exported for TPU at a small shape (whatever its kernels'
+  design): kernels in both programs, each kernel's bytes the sum of its types' bytes, the gradient program moving
+  more than the forward, and per-token bytes that do not depend on L (the linear pass's traffic is O(L))."""
+  shape = dict(batch=1, heads=2, head_dim=16, num_features=32)
+  short, long = (programs.export_traffic(n, **shape) for n in (256, 512))
+  for passes in ("fwd", "fwd_bwd"):
+    kernels = short[passes]["kernels"]
+    assert kernels and all(k["bytes"] == sum(map(_type_bytes, k["operands"] + k["results"])) for k in kernels)
+    tokens = shape["batch"] * shape["heads"] * 256
+    assert short[passes]["kernel_bytes_per_token"] == sum(k["bytes"] for k in kernels) / tokens
+    assert short[passes]["bytes_per_token"] == pytest.approx(long[passes]["bytes_per_token"], rel=0.05)
+    assert short[passes]["flops_per_token"] >= short[passes]["kernel_flops_per_token"] > 0
+  assert short["fwd_bwd"]["kernel_bytes_per_token"] > short["fwd"]["kernel_bytes_per_token"]
+
+
+def test_jaxpr_flops_counts_a_kernel_body_per_grid_step_and_the_platforms_branch():
+  """A Pallas kernel of one [8, 16]·[16, 8] product per grid step on a grid of 3, beside an XLA product; a
+  conditional's branches: the fallback's products are not the fast path's."""
+  from jax.experimental import pallas as pl
+
+  def body(x_ref, y_ref, o_ref):
+    o_ref[...] = x_ref[...] @ y_ref[...]
+
+  kernel = pl.pallas_call(body, grid=(3,), in_specs=[pl.BlockSpec((8, 16), lambda i: (i, 0)),
+                                                    pl.BlockSpec((16, 8), lambda i: (0, 0))],
+                          out_specs=pl.BlockSpec((8, 8), lambda i: (i, 0)),
+                          out_shape=jax.ShapeDtypeStruct((24, 8), jnp.float32), interpret=True)
+
+  def program(x, y):
+    out = kernel(x, y) @ jnp.ones((8, 4))  # XLA: 2·24·8·4
+    return jax.lax.cond(jnp.all(out > 0), lambda o: o, lambda o: o @ jnp.ones((4, 4)), out)  # the fallback: 2·24·4·4
+
+  abstract = (jax.ShapeDtypeStruct((24, 16), jnp.float32), jax.ShapeDtypeStruct((16, 8), jnp.float32))
+  counted = programs.jaxpr_flops(jax.make_jaxpr(program)(*abstract).jaxpr)
+  assert counted["kernel"] == 3 * 2 * 8 * 16 * 8 and counted["xla"] == 2 * 24 * 8 * 4 and counted["kernels"] == 1

@@ -215,3 +215,41 @@ def test_committed_showcase_summary_states_what_the_finding_rule_says():
   text = showcase.finding(json.loads((results / "results.json").read_text()))
   assert text in (results / "summary.md").read_text()
   assert "one seed" in text and "not a claim of equal quality" in text
+
+
+def test_the_speed_study_times_softmax_through_jax_beside_ours():
+  """jax.nn.dot_product_attention is a method of the study (XLA on a CPU): its output is the float64 explicit form's,
+  its FLOPs the counting module's, and the summary sets our reference against it."""
+  import jax.numpy as jnp
+  import numpy as np
+
+  from experiments.configs import speed as cfg
+  from experiments.studies import speed
+
+  rng = np.random.default_rng(0)
+  q, k, v = (rng.standard_normal((1, 16, 2, 8)) for _ in range(3))
+  s = np.einsum("blhd,bmhd->bhlm", q, k) / np.sqrt(8) + np.where(np.tri(16, dtype=bool), 0, -np.inf)
+  w = np.exp(s - s.max(-1, keepdims=True))
+  expected = np.einsum("bhlm,bmhd->blhd", w / w.sum(-1, keepdims=True), v)
+  got = speed.method("jax_dot_product_attention", False)(*(jnp.asarray(x, jnp.float32) for x in (q, k, v)), None, True)
+  np.testing.assert_allclose(np.asarray(got), expected, atol=1e-5)
+  # XLA on a CPU forms the whole product: counted whole; cuDNN skips the blocks above the diagonal
+  assert speed.flops("jax_dot_product_attention", True, 1, 16, 2, 8, 0) == 16 * 2 * (4 * 16 * 8)  # B·L·H·4LD
+  assert speed.flops("jax_dot_product_attention", True, 1, 16, 2, 8, 0, on_gpu=True) == 16 * 2 * (2 * 16 * 8)
+
+  def record(method, seconds, nbytes):
+    return _job(method=method, seq_len=256, status="ok", median_s=seconds, peak_bytes=nbytes, gflops_per_s=1.0,
+                fraction_of_matmul=0.1)
+  summary = speed.summarize([record("softmax", 0.3, 2 ** 21), record("jax_dot_product_attention", 0.2, 2 ** 20)],
+                            cfg.get_config())
+  assert "- L=256 bidirectional fwd: our softmax / jax.nn.dot_product_attention = 1.50× time, 2.00× memory" in summary
+
+
+@pytest.mark.slow
+def test_a_tiny_speed_job_times_jax_dot_product_attention():
+  from experiments.studies import speed
+  from experiments.train import flops
+
+  rec = speed.measure(_job(method="jax_dot_product_attention", seq_len=16, heads=2, head_dim=8, causal=True))
+  work = 16 * 2 * flops.softmax_flops(16, 8, causal=True)
+  assert rec["status"] == "ok" and rec["gflops_per_s"] == pytest.approx(work / rec["median_s"] / 1e9)

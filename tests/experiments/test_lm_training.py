@@ -222,16 +222,6 @@ def test_flops_per_token_match_the_compiled_forward_pass(attention):
   assert 0.97 < counted["flops"] / formula < 1.06, (counted["flops"], formula)  # 1.012 and 1.021 measured
 
 
-def test_peak_table_and_cpu_ceiling():
-  class Device:
-    device_kind = "TPU v5 lite"
-  assert flops.peak_flops(Device()) == 197e12
-  Device.device_kind = "NVIDIA H200"
-  assert flops.peak_flops(Device()) == 989e12
-  peak, source = flops.device_peak("float32", jax.devices()[:1])
-  assert jax.devices()[0].platform != "cpu" or ("matmul ceiling" in source and 1e8 < peak < 1e14)
-
-
 # --- preemption -------------------------------------------------------------------------------------------------
 
 
@@ -293,7 +283,10 @@ def test_lm_base_quick_trains_and_reports_throughput(tmp_path):
   trains = [r for r in records if r["kind"] == "train"]
   final = [r for r in records if r["kind"] == "eval"][-1]
   assert len(trains) == 2 and all(math.isfinite(r["train_loss"]) for r in trains)
-  assert all(r["tokens_per_s"] > 0 and 0 < r["mfu"] < 1 for r in trains)
+  # a CPU has no published peak: the fraction is of a measured matmul, named and labelled so
+  mfu = "mfu" if jax.devices()[0].platform != "cpu" else "mfu_vs_measured_matmul"
+  assert all(r["tokens_per_s"] > 0 and 0 < r[mfu] < 1 and r["ceiling_flops_per_s"] > 0 for r in trains)
+  assert all(r["ceiling_kind"] == (flops.PUBLISHED if mfu == "mfu" else flops.MEASURED) for r in trains)
   assert trains[0]["flops_per_token"] == flops.flops_per_token(config, 256, 64)["train"]
   assert math.isfinite(final["eval_loss_at_128"])  # the long-context evaluation
 
