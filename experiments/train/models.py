@@ -114,8 +114,8 @@ class SoftmaxAttention(nn.Module):
   ``alibi``): ``log_decay`` [B, cache_len, H] float32 beside them, each cached key's running sum of the log
   gates since it came, Σ_{j<l≤t} log f_l, the bias of its logit for the current query t). A call of l > 1
   tokens is a prompt into the empty cache (the causal pass over it, its gates included); one token attends to
-  every cached key (Flax's ``dot_product_attention``, with the decays as its bias: the reference's input checks
-  would cost more than the step). Each cached decay grows by the new token's log gate every step, summed from
+  every cached key, each key/value head read once for its group's query heads (:meth:`_one_token`, the decays
+  as the logits' bias). Each cached decay grows by the new token's log gate every step, summed from
   the key forward as the full pass sums from the query back (terms ≤ 0: no cancellation, unlike a difference of
   two prefix sums, which would lose the bias of nearby keys to float32 rounding once the prefix sum is large).
   Packed documents (``segment_ids``) are not decoded: generation gives none.
@@ -184,10 +184,23 @@ class SoftmaxAttention(nn.Module):
     index.value = index.value + new
     if new > 1:  # a prompt into the empty cache: the causal pass over it
       return prompt()
-    seen_11C = (jnp.arange(self.cache_len) < index.value)[None, None, :]  # Flax's [heads, q, keys] mask
-    bias_BH1C = jnp.swapaxes(decay.value, 1, 2)[:, :, None, :] if gated else None
-    k_BCHD, v_BCHD = inputs.repeat_kv_heads(keys.value, values.value, self.num_heads)
-    return nn.dot_product_attention(q_BlHD, k_BCHD, v_BCHD, bias=bias_BH1C, mask=seen_11C)  # Flax's, lean
+    return self._one_token(q_BlHD, keys.value, values.value, index.value, decay.value if gated else None)
+
+  def _one_token(self, q_B1HD, k_BCKD, v_BCKD, seen, decay_BCH=None):
+    """One query per sequence against the first ``seen`` cached keys: grouped-query attention reads each cached
+    key/value head once for the G = H/Hkv query heads of its group (no copy of the cache repeated to H heads),
+    logits in the cache's dtype, softmax in float32 (as Flax's ``dot_product_attention``, lean: the reference's
+    input checks would cost more than the step)."""
+    batch, _, heads, dim = q_B1HD.shape
+    kv_heads = k_BCKD.shape[2]
+    q_BKGD = q_B1HD.reshape(batch, kv_heads, heads // kv_heads, dim) / math.sqrt(dim)
+    logits_BKGC = jnp.einsum("bkgd,bckd->bkgc", q_BKGD, k_BCKD).astype(jnp.float32)
+    if decay_BCH is not None:  # each key's decay Σ_{j<l≤t} log f_l: the bias of its logit
+      logits_BKGC = logits_BKGC + jnp.moveaxis(decay_BCH, 1, 2).reshape(logits_BKGC.shape)
+    logits_BKGC = jnp.where(jnp.arange(k_BCKD.shape[1]) < seen, logits_BKGC, -jnp.inf)
+    weights_BKGC = jax.nn.softmax(logits_BKGC, axis=-1).astype(v_BCKD.dtype)
+    out_BKGD = jnp.einsum("bkgc,bckd->bkgd", weights_BKGC, v_BCKD)
+    return out_BKGD.reshape(batch, 1, heads, dim).astype(q_B1HD.dtype)
 
 
 def flax_softmax(attention: AttentionSpec) -> bool:
