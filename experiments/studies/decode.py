@@ -7,6 +7,10 @@ per sequence (every layer's cache collection). FAVOR's state comes from a real p
 ``config.prefill_chunk`` tokens, timed); softmax's cache is filled with random keys and values and its index set
 to L without a prefill: a step reads every cached key and value whatever they hold, so its time depends on the
 cache's length, not its content.
+
+``config.kv_heads`` (e.g. ``(1, 2, 4)``, the ``:gqa`` config): each case is run once per number of key/value heads
+(grouped-query attention, ``model.num_kv_heads``): softmax caches the key/value heads only; FAVOR+ (ungated, one
+projection shared by the heads) keeps one state per key/value head, which the group's query heads read.
 """
 
 from __future__ import annotations
@@ -37,11 +41,18 @@ def check(config) -> None:
     value = config[name]
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
       raise ValueError(f"config.{name} must be an int >= 1, got {value!r}")
+  kv_heads, heads = config.get("kv_heads", ()), config.model.num_heads
+  if isinstance(kv_heads, (str, int)) or not all(
+      isinstance(n, int) and not isinstance(n, bool) and n >= 1 and heads % n == 0 for n in kv_heads):
+    raise ValueError(f"config.kv_heads must be a tuple of ints dividing model.num_heads={heads} (empty: "
+                     f"model.num_kv_heads as set), got {kv_heads!r}")
 
 
-def _typed(config, attention_type):
+def _typed(config, attention_type, kv_heads=None):
   c = copy.deepcopy(config)
   c.attention.type = attention_type
+  if kv_heads is not None:
+    c.model.num_kv_heads = 0 if kv_heads == c.model.num_heads else kv_heads
   return c
 
 
@@ -72,9 +83,11 @@ def run(config, progress=print, workdir=None) -> list[dict]:
   check(config)
   key = jax.random.PRNGKey(config.seed)
   records = []
-  for attention_type in config.types:
-    c = _typed(config, attention_type)
+  cases = [(t, n) for t in config.types for n in (config.get("kv_heads", ()) or (None,))]
+  for attention_type, kv_heads in cases:
+    c = _typed(config, attention_type, kv_heads)
     favor = attention_type == "favor"
+    num_kv_heads = c.model.get("num_kv_heads", 0) or c.model.num_heads
     init_model = models.make_model(c, VOCAB, 0, 1, decode=True, cache_len=1)
     variables = jax.jit(init_model.init)(key, jnp.zeros((config.batch, 1), jnp.int32))
     variables = {"params": variables["params"], "favor": variables.get("favor", {})}
@@ -108,9 +121,10 @@ def run(config, progress=print, workdir=None) -> list[dict]:
                           tokens_per_s=config.batch / seconds, state_bytes_per_sequence=state_bytes,
                           prefill_s=prefill_s, filled="prefill" if favor else "synthetic", batch=config.batch,
                           repeats=config.repeats, params_bytes=params_bytes, d_model=c.model.d_model,
-                          num_layers=c.model.num_layers, num_heads=c.model.num_heads,
+                          num_layers=c.model.num_layers, num_heads=c.model.num_heads, num_kv_heads=num_kv_heads,
                           num_features=c.attention.num_features if favor else None, load_1min=load))
-      progress(f"{attention_type} L={length}: {1e3 * seconds:.2f} ms/token, state {state_bytes / 2**20:.2f} MiB"
+      progress(f"{attention_type} L={length} Hkv={num_kv_heads}: {1e3 * seconds:.2f} ms/token, state "
+               f"{state_bytes / 2**20:.2f} MiB"
                + (f", prefill {prefill_s:.1f} s" if favor else " (cache filled without a prefill)"))
   return records
 
@@ -119,7 +133,38 @@ def _mib(n) -> str:
   return f"{n / 2**20:,.2f} MiB" if n >= 2**16 else f"{n / 2**10:,.1f} KiB"
 
 
+def _summarize_gqa(records, config) -> str:
+  """The grouped-query table: per attention and key/value heads, the state's bytes and the per-token time."""
+  m = config.model
+  lines = ["# Decode state per key/value head: grouped-query attention\n",
+           f"Model: {m.num_layers} layers × d_model {m.d_model}, {m.num_heads} heads, MLP {m.mlp_dim}, byte "
+           f"vocabulary, rotary positions; FAVOR+ positive kernel, M={config.attention.num_features}, one projection "
+           f"shared by the heads, ungated; batch {config.batch}; median of {config.repeats} decode steps after the "
+           "prompt.\n",
+           "| attention | prompt L | key/value heads | state per sequence | state / all heads' | ms/token | tokens/s |",
+           "|---|---|---|---|---|---|---|"]
+  full = {(r["attention"], r["prompt_len"]): r["state_bytes_per_sequence"] for r in records
+          if r["num_kv_heads"] == r["num_heads"]}
+  for r in sorted(records, key=lambda r: (r["attention"], r["prompt_len"], r["num_kv_heads"])):
+    ref = full.get((r["attention"], r["prompt_len"]))
+    share = f"{r['state_bytes_per_sequence'] / ref:.3f}" if ref else "–"
+    lines.append(f"| {'FAVOR+' if r['attention'] == 'favor' else 'softmax'} | {r['prompt_len']:,} | "
+                 f"{r['num_kv_heads']} of {r['num_heads']} | {_mib(r['state_bytes_per_sequence'])} | {share} | "
+                 f"{r['per_token_ms']:.2f} | {r['tokens_per_s']:.1f} |")
+  lines.append("\nState: bytes per sequence of every layer's decode cache. FAVOR+ keeps one state (S, its running "
+               "maximum) per key/value head, read by the group's query heads (exact: the keys' features do not "
+               "depend on the query head), plus each layer's last segment id; softmax caches the key/value heads' "
+               "keys and values. FAVOR+'s state comes from a real prefill of the prompt; softmax's cache is filled "
+               "with random keys and values (see the main study).")
+  loads = [r["load_1min"] for r in records]
+  lines.append(f"\nThe machine's 1-minute load average while timing: {min(loads):.1f} to {max(loads):.1f} on "
+               f"{os.cpu_count()} cores (a shared machine: absolute times are inflated).")
+  return "\n".join(lines) + "\n"
+
+
 def summarize(records, config) -> str:
+  if config.get("kv_heads", ()):
+    return _summarize_gqa(records, config)
   by = {(r["attention"], r["prompt_len"]): r for r in records}
   m = config.model
   lines = ["# Decode speed: FAVOR+ state vs softmax key-value cache\n",
@@ -154,6 +199,8 @@ def summarize(records, config) -> str:
 
 
 def plot(records, config, workdir) -> list[str]:
+  if config.get("kv_heads", ()):
+    return _plot_gqa(records, config, workdir)
   fig, (ax_t, ax_m) = plotting.subplots(1, 2, figsize=(10, 4))
   for attention_type in config.types:
     rs = sorted((r for r in records if r["attention"] == attention_type), key=lambda r: r["prompt_len"])
@@ -169,3 +216,22 @@ def plot(records, config, workdir) -> list[str]:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
   return [plotting.save(fig, f"{workdir}/decode.png")]
+
+
+def _plot_gqa(records, config, workdir) -> list[str]:
+  fig, (ax_t, ax_m) = plotting.subplots(1, 2, figsize=(10, 4))
+  for attention_type in config.types:
+    rs = sorted((r for r in records if r["attention"] == attention_type), key=lambda r: r["num_kv_heads"])
+    label = {"favor": "FAVOR+ state", "softmax": "softmax KV cache"}[attention_type]
+    heads = [r["num_kv_heads"] for r in rs]
+    ax_t.plot(heads, [r["per_token_ms"] for r in rs], marker="o", label=label)
+    ax_m.plot(heads, [r["state_bytes_per_sequence"] / 2**20 for r in rs], marker="o", label=label)
+  lengths = ", ".join(f"{n:,}" for n in config.prompt_lens)
+  ax_t.set(xscale="log", yscale="log", xlabel="key/value heads", ylabel="ms per decoded token",
+           title=f"Per-token decode latency (L = {lengths})")
+  ax_m.set(xscale="log", yscale="log", xlabel="key/value heads", ylabel="MiB per sequence",
+           title="Decode state memory")
+  for ax in (ax_t, ax_m):
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+  return [plotting.save(fig, f"{workdir}/decode_gqa.png")]

@@ -3,7 +3,11 @@ reads (so that a command-line value no run reads stops the command)."""
 
 from __future__ import annotations
 
+import copy
 import math
+
+import jax
+import jax.numpy as jnp
 
 from experiments import tasks
 from experiments.train import models
@@ -89,6 +93,34 @@ def check_config(config) -> None:
          f"train.stop_after must be an int in [0, train.steps={t.steps}] (0 = run to the end), "
          f"got {t.stop_after!r}")
   tasks.check_data(config)
+  check_decodes(config)
+
+
+def check_decodes(config) -> None:
+  """A causal LM's configuration can be sampled: the model ``experiments.generate`` decodes with (its key-value
+  cache or its FAVOR layers' state) is traced for one of its blocks, init on one token then one decode step
+  (shapes only: nothing is computed), so a configuration that trains but cannot decode is refused when training
+  starts, not after the whole run. Classifiers (no sampling) are not traced.
+
+  Raises:
+    ValueError: naming the configuration and the decoder's own error.
+  """
+  if not tasks.is_causal(config.task):
+    return
+  one_block = copy.deepcopy(config)
+  with one_block.unlocked():
+    one_block.model.num_layers = 1  # every block is built alike: one shows whether they decode
+  model = models.make_model(one_block, 2, 0, 2, decode=True, cache_len=2)
+
+  def init_and_step(key, tokens_B1):
+    variables = model.init(key, tokens_B1)
+    return model.apply(variables, tokens_B1, mutable=["cache"])
+
+  try:
+    jax.eval_shape(init_and_step, jax.random.PRNGKey(0), jnp.zeros((1, 1), jnp.int32))
+  except (ValueError, TypeError) as e:
+    raise ValueError(f"attention.type={config.attention.type!r} with these settings trains but cannot be sampled "
+                     f"(experiments.generate decodes it token by token): {e}") from None
 
 
 def check_batch_split(t, data: int, resolved: str = "") -> None:

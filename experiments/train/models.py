@@ -22,6 +22,7 @@ from jax.sharding import Mesh
 from jaxtyping import Float, Int
 
 from favor_jax import core
+from favor_jax.core import gates as gates_lib
 from favor_jax.layers import gates, inputs
 from favor_jax.layers import linen as favor_linen
 from favor_jax.layers.projection import layer_projection
@@ -109,9 +110,15 @@ class SoftmaxAttention(nn.Module):
   ``value``, ``out``), plus ``forget_gate`` (``layers.gates``: the FAVOR layers' parameterisation and init).
 
   ``decode``: a key-value cache of ``cache_len`` positions per sequence (``cache`` collection: ``keys``,
-  ``values`` [B, cache_len, Hkv, D], rotated keys; ``index``, the tokens cached). A call of l > 1 tokens is a
-  prompt into the empty cache (the causal pass over it); one token attends to every cached key (Flax's
-  ``dot_product_attention``: the reference's input checks would cost more than the step). Ungated only.
+  ``values`` [B, cache_len, Hkv, D], rotated keys; ``index``, the tokens cached; gated (``forget_gate``,
+  ``alibi``): ``log_decay`` [B, cache_len, H] float32 beside them, each cached key's running sum of the log
+  gates since it came, Σ_{j<l≤t} log f_l, the bias of its logit for the current query t). A call of l > 1
+  tokens is a prompt into the empty cache (the causal pass over it, its gates included); one token attends to
+  every cached key, each key/value head read once for its group's query heads (:meth:`_one_token`, the decays
+  as the logits' bias). Each cached decay grows by the new token's log gate every step, summed from
+  the key forward as the full pass sums from the query back (terms ≤ 0: no cancellation, unlike a difference of
+  two prefix sums, which would lose the bias of nearby keys to float32 rounding once the prefix sum is large).
+  Packed documents (``segment_ids``) are not decoded: generation gives none.
   """
   num_heads: int
   rotary: bool
@@ -132,45 +139,68 @@ class SoftmaxAttention(nn.Module):
     dense = lambda name, heads: nn.DenseGeneral((heads, d_model // self.num_heads), name=name, **kinds)
     q_BLHD, k_BLKD, v_BLKD = (dense("query", self.num_heads)(x_BLD), dense("key", kv_heads)(x_BLD),
                               dense("value", kv_heads)(x_BLD))
-    if self.decode:
-      if self.forget_gate or self.alibi or segment_ids is not None:
-        raise ValueError("the softmax key-value cache decodes ungated, unpacked models only (forget_gate, alibi "
-                         "and segment_ids are not cached)")
-      out_BLHD = self._cached(q_BLHD, k_BLKD, v_BLKD)
-      return nn.DenseGeneral(d_model, axis=(-2, -1), name="out", **kinds)(out_BLHD)
-    if self.rotary:
-      q_BLHD, k_BLKD = rotary(q_BLHD), rotary(k_BLKD)
     logit_BLH = None
     if self.forget_gate:
       kernel_init, bias_init = gates.forget_gate_init()
       logit_BLH = nn.DenseGeneral(self.num_heads, kernel_init=kernel_init, bias_init=bias_init, dtype=jnp.float32,
                                   param_dtype=self.param_dtype, name="forget_gate")(x_BLD)
     log_gate = gates.layer_log_gate(logit_BLH, self.alibi, q_BLHD.shape[:-1])
+    if self.decode:
+      if segment_ids is not None:
+        raise ValueError("the softmax key-value cache decodes one document per sequence: segment_ids (packed "
+                         "documents) are not cached")
+      out_BLHD = self._cached(q_BLHD, k_BLKD, v_BLKD, log_gate)
+      return nn.DenseGeneral(d_model, axis=(-2, -1), name="out", **kinds)(out_BLHD)
+    if self.rotary:
+      q_BLHD, k_BLKD = rotary(q_BLHD), rotary(k_BLKD)
     k_BLHD, v_BLHD = inputs.repeat_kv_heads(k_BLKD, v_BLKD, self.num_heads)
     out_BLHD = core.softmax_attention(q_BLHD, k_BLHD, v_BLHD, causal=True,
                                       **gates.gate_kwargs(log_gate, segment_ids))
     return nn.DenseGeneral(d_model, axis=(-2, -1), name="out", **kinds)(out_BLHD)
 
-  def _cached(self, q_BlHD, k_BlKD, v_BlKD):
-    """Decoding: the new tokens' keys and values written at ``index``, the queries read against the cache."""
+  def _cached(self, q_BlHD, k_BlKD, v_BlKD, log_gate_BlH=None):
+    """Decoding: the new tokens' keys and values written at ``index`` (and, gated, every cached key's decay grown
+    by the new log gates, the new keys' set), the queries read against the cache."""
     batch, new = q_BlHD.shape[0], q_BlHD.shape[1]
     shape = (batch, self.cache_len) + k_BlKD.shape[2:]
     keys = self.variable("cache", "keys", jnp.zeros, shape, k_BlKD.dtype)
     values = self.variable("cache", "values", jnp.zeros, shape, v_BlKD.dtype)
     index = self.variable("cache", "index", lambda: jnp.zeros((), jnp.int32))
+    gated = {} if log_gate_BlH is None else {"log_gate": log_gate_BlH}
+    if gated:
+      decay = self.variable("cache", "log_decay", jnp.zeros, (batch, self.cache_len, self.num_heads), jnp.float32)
     t_l = index.value + jnp.arange(new, dtype=jnp.int32)
     if self.rotary:
       q_BlHD, k_BlKD = rotary(q_BlHD, positions_L=t_l), rotary(k_BlKD, positions_L=t_l)
+    prompt = lambda: core.softmax_attention(q_BlHD, *inputs.repeat_kv_heads(k_BlKD, v_BlKD, self.num_heads),
+                                            causal=True, **gated)
     if self.is_initializing():
-      return core.softmax_attention(q_BlHD, *inputs.repeat_kv_heads(k_BlKD, v_BlKD, self.num_heads), causal=True)
+      return prompt()
     keys.value = jax.lax.dynamic_update_slice(keys.value, k_BlKD, (0, index.value, 0, 0))
     values.value = jax.lax.dynamic_update_slice(values.value, v_BlKD, (0, index.value, 0, 0))
+    if gated:  # the keys before grow by every new gate; key j of the new ones by the gates after it
+      grown_BCH = decay.value + jnp.sum(log_gate_BlH, axis=1, keepdims=True)
+      decay.value = jax.lax.dynamic_update_slice(grown_BCH, gates_lib.to_end(log_gate_BlH), (0, index.value, 0))
     index.value = index.value + new
     if new > 1:  # a prompt into the empty cache: the causal pass over it
-      return core.softmax_attention(q_BlHD, *inputs.repeat_kv_heads(k_BlKD, v_BlKD, self.num_heads), causal=True)
-    seen_11C = (jnp.arange(self.cache_len) < index.value)[None, None, :]  # Flax's [heads, q, keys] mask
-    k_BCHD, v_BCHD = inputs.repeat_kv_heads(keys.value, values.value, self.num_heads)
-    return nn.dot_product_attention(q_BlHD, k_BCHD, v_BCHD, mask=seen_11C)  # Flax's, lean: one query per step
+      return prompt()
+    return self._one_token(q_BlHD, keys.value, values.value, index.value, decay.value if gated else None)
+
+  def _one_token(self, q_B1HD, k_BCKD, v_BCKD, seen, decay_BCH=None):
+    """One query per sequence against the first ``seen`` cached keys: grouped-query attention reads each cached
+    key/value head once for the G = H/Hkv query heads of its group (no copy of the cache repeated to H heads),
+    logits in the cache's dtype, softmax in float32 (as Flax's ``dot_product_attention``, lean: the reference's
+    input checks would cost more than the step)."""
+    batch, _, heads, dim = q_B1HD.shape
+    kv_heads = k_BCKD.shape[2]
+    q_BKGD = q_B1HD.reshape(batch, kv_heads, heads // kv_heads, dim) / math.sqrt(dim)
+    logits_BKGC = jnp.einsum("bkgd,bckd->bkgc", q_BKGD, k_BCKD).astype(jnp.float32)
+    if decay_BCH is not None:  # each key's decay Σ_{j<l≤t} log f_l: the bias of its logit
+      logits_BKGC = logits_BKGC + jnp.moveaxis(decay_BCH, 1, 2).reshape(logits_BKGC.shape)
+    logits_BKGC = jnp.where(jnp.arange(k_BCKD.shape[1]) < seen, logits_BKGC, -jnp.inf)
+    weights_BKGC = jax.nn.softmax(logits_BKGC, axis=-1).astype(v_BCKD.dtype)
+    out_BKGD = jnp.einsum("bkgc,bckd->bkgd", weights_BKGC, v_BCKD)
+    return out_BKGD.reshape(batch, 1, heads, dim).astype(q_B1HD.dtype)
 
 
 def flax_softmax(attention: AttentionSpec) -> bool:
@@ -343,23 +373,28 @@ def make_model(config, vocab_size: int, num_classes: int, max_len: int, mesh: Me
 def decode_state_size(config, seq_len: int) -> int:
   """Numbers one attention layer keeps per sequence to decode the next token after ``seq_len`` tokens.
 
-  Softmax: its key-value cache, L·Hkv·2·D (grows with L; Hkv = ``model.num_kv_heads`` or H). FAVOR: the arrays of
-  ``core.favor_decode_init`` for the config's kernel, features and window (the
-  recurrent state F·(Dv+1) and running maximum F per head; with a window also
-  its W keys and values), read off their shapes, independent of L. A short convolution of width K adds the
-  block's last K-1 inputs, (K-1)·d_model.
+  Softmax: its key-value cache, L·Hkv·2·D (grows with L; Hkv = ``model.num_kv_heads`` or H), and with a forget
+  gate or ALiBi each cached key's decay, L·H more. FAVOR: the arrays of ``core.favor_decode_init`` for the
+  config's kernel, features and window (the recurrent state F·(Dv+1) and running maximum F per head; with a
+  window also its W keys and values), read off their shapes, independent of L; per key/value head where the
+  layer keeps it so (grouped-query attention where exact: ``FavorSettings.kv_state``), else per query head. A
+  short convolution of width K adds the block's last K-1 inputs, (K-1)·d_model.
   """
   m, a = config.model, config.attention
   heads, head_dim = m.num_heads, m.d_model // m.num_heads
+  kv_heads = m.get("num_kv_heads", 0) or heads
   conv = max(m.short_conv - 1, 0) * m.d_model
-  if a.type == "softmax":  # grouped-query attention caches its key/value heads only
-    return conv + seq_len * (m.get("num_kv_heads", 0) or heads) * 2 * head_dim
+  if a.type == "softmax":  # grouped-query attention caches its key/value heads only; a gate's decays per head
+    gated = a.get("forget_gate", False) or a.get("alibi", False)
+    return conv + seq_len * (kv_heads * 2 * head_dim + (heads if gated else 0))
   qk_dim = a.qk_head_dim or head_dim
-  settings = dataclasses.replace(favor_settings(config, causal=True), per_head_projection=False)
+  settings = favor_settings(config, causal=True)
+  state_heads = kv_heads if settings.kv_state(heads, kv_heads)[0] else heads
+  settings = dataclasses.replace(settings, per_head_projection=False)
 
   def empty_state():
     projection = layer_projection(jax.random.PRNGKey(0), settings, heads, qk_dim)
-    return core.favor_decode_init(jnp.zeros((1, 1, heads, qk_dim)), jnp.zeros((1, 1, heads, head_dim)),
+    return core.favor_decode_init(jnp.zeros((1, 1, heads, qk_dim)), jnp.zeros((1, 1, state_heads, head_dim)),
                                   projection, kernel=a.kernel, window=a.window)
 
   return conv + sum(math.prod(x.shape) for x in jax.tree.leaves(jax.eval_shape(empty_state)))

@@ -248,11 +248,12 @@ def _one_row(f):
   return LogFeatures(*(None if x is None else x[..., None, :] for x in f))
 
 
-def advance(state: RecurrentState, fq, fk, v, mask=None, *, gate=None, with_scale: bool = False):
+def advance(state: RecurrentState, fq, fk, v, mask=None, *, gate=None, with_scale: bool = False, group: int = 1):
   """One token: decay the state by the gate, add key t (rescaling it if μ grows), then read query t.
 
   ``fq``/``fk``: LogFeatures of one position, [N, H, F]; ``v``: [N, H, Dv]; ``gate``: [N, H] log forget gate
-  (an addition to the state's log-scale μ; −∞ empties the state).
+  (an addition to the state's log-scale μ; −∞ empties the state). ``group`` G > 1 (grouped-query decoding):
+  the state, ``fk``, ``v`` and ``gate`` have Hkv = H/G heads and query head h reads state head h // G.
   Returns (new state, numerator [N, H, Dv], denominator [N, H]) and, ``with_scale``,
   the row's log-scale [N, H] (see ``state.read_out``).
   """
@@ -263,9 +264,15 @@ def advance(state: RecurrentState, fq, fk, v, mask=None, *, gate=None, with_scal
   s = (state.s * jnp.exp(mu - safe)[..., None]
        + jnp.einsum("nhf,nhe->nhfe", state_lib.exp_times(log_k, safe, mult_k), state_lib.with_ones(v)))
   state = RecurrentState(new_mu, s)
-  y, scale = state_lib.read_out(_one_row(fq), state, with_scale=True)
-  out = state, y[..., 0, :-1], y[..., 0, -1]
-  return out + (scale[..., 0],) if with_scale else out
+  if group == 1:
+    y, scale = state_lib.read_out(_one_row(fq), state, with_scale=True)
+    y, scale = y[..., 0, :], scale[..., 0]
+  else:  # the G query rows of each state head read it together: [N, Hkv, G, F] against [N, Hkv, F, E]
+    rows = lambda x: None if x is None else x.reshape(x.shape[:-2] + (x.shape[-2] // group, group, x.shape[-1]))
+    y, scale = state_lib.read_out(LogFeatures(*(rows(x) for x in fq)), state, with_scale=True)
+    y, scale = y.reshape(y.shape[:-3] + (-1, y.shape[-1])), scale.reshape(scale.shape[:-2] + (-1,))
+  out = state, y[..., :-1], y[..., -1]
+  return out + (scale,) if with_scale else out
 
 
 @precision_lib.honoured

@@ -16,8 +16,10 @@ Variables besides ``params``:
 - ``params/feature_map`` (learned kernels, ``hedgehog``): the trained map W,
   [H, D, D] (or [D, D] with ``per_head_projection=False``), the identity at init.
 - ``cache`` (``decode=True``): the decode state's fields (``mu``, ``s``; with a
-  ``window``, those of ``core.HybridState``), per query head; with a ``qk_transform``, also ``index`` (int32,
-  the tokens decoded so far: the next token's position).
+  ``window``, those of ``core.HybridState``), per key/value head where that is exact (grouped-query attention
+  with keys whose features and gates are the same for a group's query heads: ``FavorSettings.kv_state``), else
+  per query head; with a ``qk_transform``, also ``index`` (int32, the tokens decoded so far: the next token's
+  position).
 """
 
 from __future__ import annotations
@@ -132,8 +134,10 @@ class FavorAttention(nn.MultiHeadDotProductAttention):
       calls it without, for positions 0..L-1.
     num_kv_heads: grouped-query attention: the key and value heads (None: ``num_heads``), dividing
       ``num_heads``; query head h reads key/value head ``h // (num_heads // num_kv_heads)``. The ``key`` and
-      ``value`` kernels are [features, num_kv_heads, head_dim]; the attention (and a decode state) runs per
-      query head.
+      ``value`` kernels are [features, num_kv_heads, head_dim]; the attention runs per query head. The decode
+      state is kept per key/value head (1/group the bytes) where that is exact: a projection shared by all
+      heads (or none), a kernel without a statistic of the data, and no ``forget_gate`` or ``alibi`` (both
+      per query head); otherwise per query head (``kv_state`` says which, and why).
     mesh: a ``jax.sharding.Mesh`` for sequence-parallel attention
       (``parallel.sequence_parallel_attention``); not with decode or a window.
     sequence_axis: the mesh axis the sequence is split over (with ``mesh``).
@@ -185,6 +189,12 @@ class FavorAttention(nn.MultiHeadDotProductAttention):
         rho_momentum=self.rho_momentum, decode=self.decode, qk_transform=self.qk_transform, mesh=self.mesh,
         sequence_axis=self.sequence_axis, batch_axis=self.batch_axis, forget_gate=self.forget_gate,
         alibi=self.alibi, precision=self.precision)
+
+  @functools.cached_property
+  def kv_state(self) -> tuple[bool, str]:
+    """(exact, reason): whether decoding keeps one state per key/value head (``FavorSettings.kv_state``), checked
+    once per module instance, as :attr:`settings` is."""
+    return self.settings.kv_state(self.num_heads, self.num_kv_heads)
 
   @nn.compact
   def __call__(self, inputs_q, inputs_k=None, inputs_v=None, *, mask=None, deterministic=None,
@@ -241,6 +251,7 @@ class FavorAttention(nn.MultiHeadDotProductAttention):
       query, key = ln("query_ln")(query), ln("key_ln")(key)
     positions = self._positions(query.shape[-3]) if self.decode and self.qk_transform is not None else None
     query, key = inputs.transform_qk(self.qk_transform, query, key, positions)
+    grouped = (key, value) if self.decode and self.kv_state[0] else None  # a state per key/value head
     key, value = inputs.repeat_kv_heads(key, value, self.num_heads)
     projection = self._projection(settings, qk_dim)
     logit = None
@@ -255,6 +266,7 @@ class FavorAttention(nn.MultiHeadDotProductAttention):
     key_mask, query_mask = inputs.padding_masks(mask, inputs_q, inputs_k, key, query_mask, query)
     rho = self._running_statistic(settings, query, key, key_mask, query_mask, train=not deterministic)
     if self.decode:
+      key, value = grouped or (key, value)
       x = self._decode(settings, query, key, value, projection, key_mask, rho, log_gate, segment_ids)
     else:
       x = attend(query, key, value, projection, settings, key_mask=key_mask, query_mask=query_mask, rho=rho,
@@ -336,8 +348,8 @@ class FavorAttention(nn.MultiHeadDotProductAttention):
       state = empty()
       for name in fields:
         self.variable("cache", name, lambda name=name: getattr(state, name))
-      return attend(query, key, value, projection, settings, key_mask=key_mask, rho=rho, log_gate=log_gate,
-                    segment_ids=segment_ids)
+      return attend(query, *inputs.repeat_kv_heads(key, value, self.num_heads), projection, settings,
+                    key_mask=key_mask, rho=rho, log_gate=log_gate, segment_ids=segment_ids)
     cache = [self.variable("cache", name) for name in fields]
     state = state_type(*(c.value for c in cache))
     state, x = core.favor_decode_step(state, query, key, value, projection, kernel=self.kernel, key_mask=key_mask,

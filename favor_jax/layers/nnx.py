@@ -128,7 +128,10 @@ class FavorAttention(nnx.MultiHeadAttention):
       ``normalize_qk``, initialisers, dtypes, ``precision`` (of every dot: the projections and the attention
       core, as ``core.favor_attention``'s), ``num_kv_heads``, ...), but ``attention_fn``. ``num_kv_heads``
       (grouped-query attention) must divide ``num_heads``: query head h reads key/value head
-      ``h // (num_heads // num_kv_heads)``, as in Flax; the attention (and a decode state) runs per query head.
+      ``h // (num_heads // num_kv_heads)``, as in Flax; the attention runs per query head. The decode state is
+      kept per key/value head (1/group the bytes) where that is exact — a projection shared by all heads (or
+      none), a kernel without a statistic of the data, no ``forget_gate`` or ``alibi`` (both per query head) —
+      and per query head otherwise; ``kv_state`` (set at construction) says which, and why.
 
   Raises:
     ValueError: for ``attention_fn``, a ``num_kv_heads`` that does not divide ``num_heads``, or an invalid
@@ -160,6 +163,7 @@ class FavorAttention(nnx.MultiHeadAttention):
         precision=flax_kwargs.get("precision"))
     super().__init__(num_heads, in_features, qkv_features, out_features, rngs=rngs, **flax_kwargs)
     self.settings = settings
+    self.kv_state = settings.kv_state(num_heads, flax_kwargs.get("num_kv_heads"))  # (exact, why not), checked once
     self.kernel = kernel
     self.projection_kind = settings.projection_kind
     self.window = window
@@ -256,7 +260,8 @@ class FavorAttention(nnx.MultiHeadAttention):
       raise ValueError("init_cache: decoding needs causal=True (it is autoregressive)")
     batch = tuple(input_shape[:-2])
     q = jnp.zeros(batch + (1, self.num_heads, self.qk_head_dim), dtype)
-    v = jnp.zeros(batch + (1, self.num_heads, self.head_dim), dtype)
+    heads = self.num_kv_heads if self.kv_state[0] else self.num_heads  # a state per key/value head where exact
+    v = jnp.zeros(batch + (1, heads, self.head_dim), dtype)
     state = core.favor_decode_init(q, v, self._projection(), kernel=self.kernel, window=self.window)
     self.decode_state = nnx.Cache(state)
     self.decode_index = nnx.Cache(jnp.zeros((), jnp.int32)) if self.qk_transform is not None else nnx.data(None)
@@ -328,6 +333,7 @@ class FavorAttention(nnx.MultiHeadAttention):
         positions = index + jnp.arange(query.shape[-3], dtype=jnp.int32)
         self.decode_index.set_value(index + query.shape[-3])
     query, key = inputs.transform_qk(self.qk_transform, query, key, positions)
+    grouped = (key, value) if decode and self.kv_state[0] else None  # a state per key/value head
     key, value = inputs.repeat_kv_heads(key, value, self.num_heads)
 
     deterministic = inputs.resolve_deterministic(self.dropout_rate, self.deterministic, deterministic)
@@ -346,6 +352,7 @@ class FavorAttention(nnx.MultiHeadAttention):
     if decode:
       if self.decode_state is None:
         raise ValueError("decode=True needs the recurrent state: call init_cache(input_shape) first")
+      key, value = grouped or (key, value)
       state, x = core.favor_decode_step(self.decode_state.get_value(), query, key, value, projection,
                                         kernel=self.kernel, key_mask=key_mask, rho=rho,
                                         chunk_size=self.chunk_size, window=self.window,

@@ -332,6 +332,34 @@ class FavorSettings:
     """Whether the layer's attention is gated (``forget_gate`` or ``alibi``)."""
     return self.forget_gate or self.alibi
 
+  def kv_state(self, num_heads: int, num_kv_heads: int | None) -> tuple[bool, str]:
+    """Whether a decode state per key/value head is exact for these heads, and why (not).
+
+    One state per key/value head (grouped-query attention, ``num_kv_heads < num_heads``) holds what the keys
+    give (Σφ(k)[v, 1]ᵀ, its running maximum, a window's keys and their decays): the group's query heads can
+    read one state when the keys' features and gates are the same for all of them, i.e. a projection shared by
+    every head (or no projection), a kernel without a statistic of the data (FAVOR++'s and FAVOR#'s ρ is per
+    query head), a :class:`~favor_jax.core.kernels.Kernel` record (a callable's key features might depend on
+    the query heads) and no gate (the layers' forget gate and ALiBi's slopes are per query head).
+
+    Args:
+      num_heads: H, the query heads.
+      num_kv_heads: Hkv (None: H).
+
+    Returns:
+      (exact, reason): ``exact`` True where the layer keeps one state per key/value head; ``reason`` says why
+      a grouped layer keeps one per query head instead ("" where exact or not grouped).
+    """
+    if num_kv_heads is None or num_kv_heads == num_heads:
+      return False, ""
+    kern = core.get_kernel(self.kernel)
+    why = ("the projection is per query head (per_head_projection)" if self.per_head and self.role != "none"
+           else "the kernel is a callable, not a Kernel record" if not isinstance(kern, core.kernels.Kernel)
+           else f"kernel {kern.name!r} takes a statistic of the data per query head" if kern.data_dependent
+           else "the forget gate is per query head" if self.forget_gate
+           else "ALiBi's slopes are per query head" if self.alibi else "")
+    return not why, why
+
   @property
   def keeps_statistic(self) -> bool:
     """Whether the layer keeps a running statistic (:func:`keeps_statistic`)."""

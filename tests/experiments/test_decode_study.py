@@ -39,3 +39,24 @@ def test_decode_study_quick_reports_constant_favor_state_and_a_growing_cache(tmp
     main.run(common.set_fields(cfg.get_config("quick"), {"prompt_lens": ()}), str(tmp_path / "bad"))
   with pytest.raises(ValueError, match=r"config.types must be a tuple of one or more of"):
     main.run(common.set_fields(cfg.get_config("quick"), {"types": ("linear",)}), str(tmp_path / "bad"))
+
+
+@pytest.mark.slow
+def test_decode_study_gqa_rows_keep_one_state_per_key_value_head(tmp_path):
+  """The ``:gqa`` rows: FAVOR+'s state and softmax's cache shrink with the key/value heads, by their closed forms
+  (FAVOR+ ungated with one projection: one state per key/value head)."""
+  overrides = {"prompt_lens": (64,)}
+  config = common.set_fields(cfg.get_config("gqa_quick"), overrides)
+  assert config.kv_heads == (1, 2) and config.model.num_heads == 2
+  records = main.run(config, str(tmp_path), overrides)
+  m, a = config.model, config.attention
+  head_dim, features, layers = m.d_model // m.num_heads, a.num_features, m.num_layers
+  cache_len = 64 + config.repeats + 2
+  by = {(r["attention"], r["num_kv_heads"]): r["state_bytes_per_sequence"] for r in records}
+  for kv in (1, 2):
+    assert by["favor", kv] == layers * (4 * kv * features * (head_dim + 2) + 8)
+    assert by["softmax", kv] == layers * (4 * cache_len * kv * 2 * head_dim + 4)
+  summary = (tmp_path / "summary.md").read_text()
+  assert "| FAVOR+ | 64 | 1 of 2 |" in summary and (tmp_path / "decode_gqa.png").exists()
+  with pytest.raises(ValueError, match=r"config.kv_heads must be a tuple of ints dividing model.num_heads=2"):
+    main.run(common.set_fields(cfg.get_config("gqa_quick"), {"kv_heads": (3,)}), str(tmp_path / "bad"))

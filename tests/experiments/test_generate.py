@@ -28,6 +28,12 @@ CASES = {
     "favor_learned_positions_alibi": {"attention.type": "favor", "attention.alibi": True,
                                       "model.positions": "learned", "model.num_kv_heads": 1},
     "softmax_rotary_gqa_kv_cache": {"attention.type": "softmax"},
+    # the Forgetting Transformer: the cache keeps each key's decay (its log gates' running sum) beside it
+    "softmax_rotary_gqa_forget_gate_kv_cache": {"attention.type": "softmax", "attention.forget_gate": True},
+    "softmax_learned_positions_alibi_kv_cache": {"attention.type": "softmax", "attention.alibi": True,
+                                                 "model.positions": "learned"},
+    # one FAVOR state per key/value head (ungated, a shared projection: exact)
+    "favor_rotary_gqa_state_per_kv_head": {"attention.type": "favor"},
 }
 
 

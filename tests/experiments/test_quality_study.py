@@ -47,6 +47,12 @@ H, D, L = 2, 16, 32  # the tiny config's heads, head dim and length
     (tiny(**{"model.short_conv": 4}), 3 * H * D + L * H * 2 * D),  # + the last 3 inputs of width d_model
     (common.set_fields(favor("positive", num_features=16), {"model.short_conv": 3}),
      2 * H * D + H * 16 * (D + 1) + H * 16 + 1),
+    # grouped-query attention: one state per key/value head where exact (ungated, a shared projection) ...
+    (common.set_fields(favor("positive", num_features=16), {"model.num_kv_heads": 1}), 16 * (D + 1) + 16 + 1),
+    # ... one per query head where the gate is per query head; softmax caches its key/value heads (+ decays)
+    (common.set_fields(favor("positive", num_features=16, forget_gate=True), {"model.num_kv_heads": 1}),
+     H * 16 * (D + 1) + H * 16 + 1),
+    (tiny(**{"attention.forget_gate": True, "model.num_kv_heads": 1}), L * 1 * 2 * D + L * H),
 ])
 def test_decode_state_size_closed_forms(config, want):
   assert models.decode_state_size(config, L) == want
