@@ -145,6 +145,8 @@ def pytest_terminal_summary(terminalreporter, config):
   reports = [r for key in ("passed", "failed", "error", "skipped") for r in terminalreporter.stats.get(key, [])
              if hasattr(r, "duration")]
   tests = {r.nodeid for r in reports}
+  if not tests:  # --collect-only, or nothing selected
+    return
   in_tests = sum(r.duration for r in reports)  # setup, call and teardown of every test, all workers together
   wall = time.time() - config._favor_start
   tier = config.getoption("markexpr") or "slow or not slow"
@@ -154,9 +156,34 @@ def pytest_terminal_summary(terminalreporter, config):
                                   f"{in_tests:.0f} s in tests over all workers{verdict}")
 
 
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
 def pytest_collection_modifyitems(items):
   first = lambda item: next((i for i, f in enumerate(FIRST) if item.nodeid.startswith(f + "::")), len(FIRST))
   items.sort(key=first)  # stable: the rest keep their order
+  _keep_covering_cases(items)
+
+
+def _keep_covering_cases(items):
+  """``@pytest.mark.slow(default_tier_covers=("name", "method"))`` on a parametrized test: its cases are slow
+  (run by ``-m slow`` and the whole suite), except the fewest, chosen greedily in collection order, that take
+  every value of each named argument at least once (with none named, the first case): those lose the mark and
+  run in the default tier too. So
+  the default tier checks every kernel and every method of such a test, and the full cross product runs with
+  the rest of the slow tier; every case still runs in the whole suite, once."""
+  groups = {}
+  for item in items:
+    mark = next((m for m in item.own_markers if m.name == "slow" and "default_tier_covers" in m.kwargs), None)
+    if mark is not None and hasattr(item, "callspec"):
+      groups.setdefault((item.path, item.originalname), (mark.kwargs["default_tier_covers"], []))[1].append(item)
+  for names, cases in groups.values():
+    values = lambda item: {(n, repr(item.callspec.params[n])) for n in names}
+    missing = set().union(*(values(item) for item in cases))
+    if not names:  # no argument named: one case, the first
+      cases[0].own_markers[:] = [m for m in cases[0].own_markers if m.name != "slow"]
+    while missing:
+      best = max(cases, key=lambda item: len(values(item) & missing))  # the first of the best (max is stable)
+      missing -= values(best)
+      best.own_markers[:] = [m for m in best.own_markers if m.name != "slow"]
 
 
 @pytest.fixture(autouse=True, scope="module")

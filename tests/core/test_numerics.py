@@ -152,6 +152,7 @@ def test_chunked_gradients_equal_scan_gradients_at_large_scale():
 GRAD_CASES = [(True, m) for m in METHODS] + [(False, "chunked")]
 
 
+@pytest.mark.slow(default_tier_covers=("name", "method"))
 @pytest.mark.parametrize("causal,method", GRAD_CASES, ids=[f"{'causal' if c else 'bi'}-{m}" for c, m in GRAD_CASES])
 @pytest.mark.parametrize("name", sorted(kernels.KERNELS))
 def test_every_kernels_gradients_equal_the_explicit_forms_at_every_scale(name, causal, method):
