@@ -71,6 +71,7 @@ def test_linear_attention_equals_explicit_quadratic_form(causal, method, maybe_j
   np.testing.assert_allclose(out, _explicit(qf, kf, v, causal, mask), rtol=2e-5, atol=2e-5)
 
 
+@pytest.mark.slow(default_tier_covers=("name", "causal", "maybe_jit"))
 @pytest.mark.parametrize("name", ALL_KERNELS)
 @pytest.mark.parametrize("causal", [False, True])
 def test_favor_equals_linear_attention_on_raw_features(name, causal, maybe_jit):
@@ -225,6 +226,7 @@ def test_key_mask_equals_truncated_sequence(name, maybe_jit):
   np.testing.assert_allclose(masked, truncated, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow(default_tier_covers=("name", "dtype"))
 @pytest.mark.parametrize("scale, dtype", [(1.0, jnp.float32), (20.0, jnp.float32), (20.0, jnp.bfloat16)])
 @pytest.mark.parametrize("name", kernels.data_dependent_names())
 def test_padding_reaches_no_real_row_of_a_data_dependent_kernel(name, scale, dtype):
@@ -384,6 +386,7 @@ def test_vmap_over_projections_and_batch_dims():
   np.testing.assert_allclose(outs[0].reshape(6, L, H, D), flat, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow(default_tier_covers=("name", "causal"))
 @pytest.mark.parametrize("name", ALL_KERNELS)
 @pytest.mark.parametrize("causal", [False, True])
 def test_every_kernel_gradients_equal_those_of_the_explicit_form(name, causal):
@@ -411,6 +414,7 @@ def test_every_kernel_gradients_equal_those_of_the_explicit_form(name, causal):
     np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5 * np.max(np.abs(w)) + 1e-7, err_msg=what)
 
 
+@pytest.mark.slow(default_tier_covers=("causal",))
 @pytest.mark.parametrize("name", ALL_KERNELS)
 @pytest.mark.parametrize("causal", [False, True])
 def test_gradients_match_finite_differences(name, causal):
@@ -566,6 +570,7 @@ def test_decode_prompt_then_tokens_equals_causal_forward():
   np.testing.assert_allclose(jnp.concatenate(outs, axis=1), full, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow(default_tier_covers=("batch", "window"))
 @pytest.mark.parametrize("batch", [(), (2, 3)], ids=["unbatched", "batch_2x3"])
 @pytest.mark.parametrize("window", [0, 3])
 def test_decode_state_keeps_the_batch_shape(batch, window):

@@ -124,6 +124,7 @@ def test_gated_softmax_equals_the_explicit_biased_softmax(dtype):
       assert err <= _tolerance(dtype, scale) * 10 * np.max(np.abs(want)), (scale, err)
 
 
+@pytest.mark.slow(default_tier_covers=("name", "dtype"))
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("name", sorted(kernels.KERNELS))
 def test_every_causal_method_equals_the_explicit_gated_form(name, dtype):

@@ -82,6 +82,7 @@ def _tolerance(dtype, scale):
   return (2e-2 if jnp.dtype(dtype).itemsize < 4 else 1e-5 * max(scale, 1.0) ** 2)
 
 
+@pytest.mark.slow(default_tier_covers=("name", "dtype"))
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("name", sorted(kernels.KERNELS))
 def test_every_causal_method_equals_the_explicit_form_at_every_scale(name, dtype):
@@ -409,6 +410,7 @@ def test_a_feature_no_key_has_never_sets_a_rows_scale():
   np.testing.assert_allclose(np.asarray(y[:, 0], np.float64), want_last, rtol=1e-3, atol=1e-4)
 
 
+@pytest.mark.slow(default_tier_covers=("window", "dtype"))
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("window", [0, 4])
 def test_decoding_equals_the_explicit_form_at_every_scale(window, dtype):

@@ -43,6 +43,7 @@ def test_packed_softmax_equals_each_document_alone(causal):
   _assert_packed_equals_alone(fn, q, k, v, _log_gate() if causal else None)
 
 
+@pytest.mark.slow(default_tier_covers=())
 @pytest.mark.parametrize("name", sorted(kernels.KERNELS))
 def test_packed_favor_equals_each_document_alone_every_kernel(name):
   q, k, v = _qkv()

@@ -12,6 +12,7 @@ from experiments.configs import decode as cfg
 LENS = (64, 128)
 
 
+@pytest.mark.slow
 def test_decode_study_quick_reports_constant_favor_state_and_a_growing_cache(tmp_path):
   overrides = {"prompt_lens": LENS}
   config = common.set_fields(cfg.get_config("quick"), overrides)

@@ -8,6 +8,7 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow
 def test_approximation_quick_run_writes_all_outputs(tmp_path):
   from experiments import main
   from experiments.configs import approximation as cfg
@@ -44,6 +45,7 @@ def test_a_misspelled_field_ends_the_command_with_a_suggestion_not_a_traceback(f
   assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow
 def test_speed_quick_run_records_every_method(tmp_path):
   from experiments import main
   from experiments.configs import speed as cfg
@@ -67,6 +69,7 @@ def test_speed_quick_run_records_every_method(tmp_path):
   assert len((tmp_path / "records.jsonl").read_text().splitlines()) == len(records)
 
 
+@pytest.mark.slow
 def test_speed_memory_is_measured_in_a_fresh_process():
   from experiments.studies import isolation
 

@@ -35,6 +35,7 @@ print(json.dumps(texts))
 """
 
 
+@pytest.mark.slow
 def test_fetch_in_a_fresh_venv_without_wheel(tmp_path):
   venv = tmp_path / "venv"
   subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)

@@ -56,6 +56,7 @@ def _model_and_state(config, max_len):
   return model, optimizer, training.init_state(config, model, task, optimizer)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("attention,positions", [
     ({"attention.type": "softmax", "attention.forget_gate": True}, "rotary"),
     (common.favor_variant("positive", forget_gate=True, num_features=16), "none"),
@@ -104,6 +105,7 @@ def test_softmax_reads_the_gate_fields_and_a_gate_changes_the_model():
   assert "forget_gate" in params["block_0"]["attention"]
 
 
+@pytest.mark.slow
 def test_quick_study_trains_and_reports_bpc_at_longer_lengths(tmp_path):
   config = quick()
   records = main.run(config, str(tmp_path))

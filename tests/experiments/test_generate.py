@@ -100,6 +100,7 @@ def run_dir(tmp_path_factory):
   return str(run), setup.model, {"params": state.params, "favor": state.favor}
 
 
+@pytest.mark.slow
 def test_generate_gives_n_tokens_greedy_as_the_full_pass_for_a_ragged_batch(run_dir):
   workdir, model, variables = run_dir
   config, loaded, step = generation.load_run(workdir)

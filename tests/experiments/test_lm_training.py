@@ -241,6 +241,7 @@ def _losses(workdir):
     return [(r["step"], r.get("train_loss"), r.get("eval_loss")) for r in map(json.loads, f)]
 
 
+@pytest.mark.slow
 def test_sigterm_saves_a_checkpoint_and_the_resumed_run_is_the_same(tmp_path):
   """A token-file run sent SIGTERM mid-run exits 143 with a checkpoint at the step it reached (none other is due);
   rerun, it finishes with the losses of an uninterrupted run."""
@@ -274,6 +275,7 @@ def test_sigterm_saves_a_checkpoint_and_the_resumed_run_is_the_same(tmp_path):
 # --- lm_base.py ---------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_lm_base_quick_trains_and_reports_throughput(tmp_path):
   (tmp_path / "a.txt").write_bytes(_prose(0, 600))
   config = lm_base.get_config("quick")

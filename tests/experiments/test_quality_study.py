@@ -214,6 +214,7 @@ def test_measurements_against_exact_attention_and_fitting_lowers_the_loss():
   assert after < before - 0.05
 
 
+@pytest.mark.slow
 def test_study_runs_end_to_end_on_the_excerpt(tmp_path):
   config = activations_tiny()
   records = main.run(config, str(tmp_path))
@@ -228,6 +229,7 @@ def test_study_runs_end_to_end_on_the_excerpt(tmp_path):
     main.run(activations_tiny(measure_batches=5), str(tmp_path / "x"))
 
 
+@pytest.mark.slow
 def test_tradeoff_reads_a_training_study_and_times_each_run(tmp_path):
   from experiments.configs import tradeoff as tradeoff_config
   study = tiny(**{"train.steps": 2, "train.warmup_steps": 1, "train.eval_every": 2, "train.checkpoint_every": 2})

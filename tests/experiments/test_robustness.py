@@ -146,6 +146,7 @@ def reference(tmp_path_factory):
   return workdir, messages, records, state
 
 
+@pytest.mark.slow
 def test_progress_says_what_happens_before_the_first_step(reference):
   _, messages, _, _ = reference
   meter = r"\| \d+/6 \[[\d:]+<[\d:]+, +[\d.]+ steps/s\] loss"  # step/total [elapsed<ETA, steps/s]
@@ -176,6 +177,7 @@ DAMAGE = [("truncate", "default/d/*"), ("zero", "default/manifest.ocdbt"), ("del
           ("delete", "default")]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how,pattern", DAMAGE)
 def test_damaged_newest_checkpoint_falls_back_to_the_previous_one(how, pattern, reference, tmp_path):
   ref_dir, _, ref_records, ref_state = reference
@@ -223,6 +225,7 @@ def test_a_finished_run_leaves_no_lock_file(reference):
   assert os.path.isdir(workdir) and not os.path.exists(os.path.join(workdir, ".lock"))
 
 
+@pytest.mark.slow
 def test_a_stopped_run_writes_no_results_and_a_fresh_start_keeps_no_old_records(reference, tmp_path):
   """train.stop_after: the command names where each run stopped and writes no results.json or summary.md
   (an unfinished model's numbers under train.steps). A run directory whose run never checkpointed (killed

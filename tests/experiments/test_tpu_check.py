@@ -7,9 +7,12 @@ import os
 import pathlib
 import subprocess
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow
 def test_the_dry_run_runs_every_stage_and_writes_its_results(tmp_path):
   env = {**os.environ, "TPU_CHECK_DRY_RUN": "1", "OUT": str(tmp_path), "JAX_PLATFORMS": "cpu"}
   done = subprocess.run(["bash", "experiments/tpu_check.sh"], cwd=ROOT, env=env, capture_output=True, text=True,

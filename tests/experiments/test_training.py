@@ -256,6 +256,7 @@ def _metrics(workdir):
     return [{k: v for k, v in json.loads(line).items() if k not in training.TIMING_FIELDS} for line in f]
 
 
+@pytest.mark.slow
 def test_killed_run_resumes_to_the_same_metrics(tmp_path):
   env = {**os.environ, "JAX_PLATFORMS": "cpu"}
   reference, resumed = tmp_path / "reference", tmp_path / "resumed"
@@ -282,6 +283,7 @@ def test_killed_run_resumes_to_the_same_metrics(tmp_path):
 # --- studies -----------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_backward_compat_swaps_attention_under_the_same_weights(tmp_path):
   config = tiny(backward_compat_config.get_config())
   config.data = shakespeare_data(seq_len=32)
@@ -296,6 +298,7 @@ def test_backward_compat_swaps_attention_under_the_same_weights(tmp_path):
   assert os.path.exists(tmp_path / "backward_compat.png") and os.path.exists(tmp_path / "summary.md")
 
 
+@pytest.mark.slow
 def test_quick_version_yields_to_command_line_overrides(tmp_path):
   overrides = {"train.steps": 3, "data.num_train": 16, "data.num_eval": 8, "model.d_model": 16,
                "only": "favor_positive", "train.warmup_steps": 1}
@@ -313,6 +316,7 @@ def _cli(workdir, config_arg, *flags):
   return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow
 def test_quick_flag_and_quick_argument_run_the_same_config(tmp_path):
   small = {"only": "softmax", "train.steps": 2, "train.warmup_steps": 1, "model.d_model": 16,
            "model.num_layers": 1, "data.seq_len": 32, "data.num_kv_pairs": 4}
@@ -350,6 +354,7 @@ def test_every_training_config_and_variant_passes_the_checks(name):
     assert sweep.variant_configs(config)  # each variant checked; raises on a bad field or value
 
 
+@pytest.mark.slow
 def test_quickstart_quick_version_runs_on_the_excerpt(tmp_path):
   from experiments.configs import quickstart
   overrides = {"data.text_dir": EXCERPT, "data.valid_plays": ("tempest",), "data.seq_len": 32,

@@ -93,6 +93,7 @@ def _nnx_run(kernel, x, **kw):
 RUN = {"linen": _linen_run, "nnx": _nnx_run}
 
 
+@pytest.mark.slow(default_tier_covers=("api", "kernel"))
 @pytest.mark.parametrize("kernel", sorted(core.KERNELS))
 @pytest.mark.parametrize("api", sorted(RUN))
 def test_every_core_kernel_runs_in_the_layers_as_core_does_with_the_layers_own_params(api, kernel):
