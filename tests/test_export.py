@@ -5,16 +5,19 @@ path lowers for "tpu" (the attention functions, the decode step, the Linen and N
 step). Lowering only: nothing here runs on an accelerator."""
 
 import inspect
+import re
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 from flax import linen as nn
 from flax import nnx
 
 from favor_jax import core
-from favor_jax.core import fused
+from favor_jax.core import attention, fused
+from favor_jax.core import causal as causal_lib
 from favor_jax.layers import linen as favor_linen
 from favor_jax.layers import nnx as favor_nnx
 
@@ -119,3 +122,57 @@ def test_every_public_path_lowers_for_tpu():
     return optax.apply_updates(p, updates), o, loss
 
   assert "func.func public @main" in _tpu_text(step, mp, opt.init(mp), x)
+
+
+def _residuals_for_tpu(fn, *shapes):
+  """The residuals a gradient of ``fn`` keeps from its forward to its backward, as lowered for TPU (abstract
+  inputs: nothing allocated): [(shape, dtype, is an input)], read off the exported program's results."""
+  exported = jax.export.export(jax.jit(lambda *x: jax.vjp(fn, *x)[1]), platforms=["tpu"])(*shapes)
+  text = exported.mlir_module()
+  main = text[text.index("func.func public @main"):]
+  end = main.find("func.func", 1)
+  main = main if end < 0 else main[:end]
+  returned = [o.strip() for o in re.findall(r"\breturn (%[^:]*?) :", main)[-1].split(",")]
+  assert len(returned) == len(exported.out_avals)
+  return [(a.shape, a.dtype, o.startswith("%arg")) for o, a in zip(returned, exported.out_avals)]
+
+
+def _bytes(shape, dtype):
+  return int(np.prod(shape)) * jnp.dtype(dtype).itemsize
+
+
+RES_B, RES_L, RES_H, RES_D, RES_M = 1, 1024, 2, 64, 256  # 8 chunks of 128, the geometry the TPU runs
+
+
+@pytest.mark.slow  # an export of a gradient: seconds
+def test_a_fused_gradient_keeps_the_inputs_and_row_statistics_only():
+  """The fused call's residuals, lowered for TPU: its inputs, the projection, the row scales [N, L, H] and the
+  redo's flag; nothing of the XLA pass that redoes lost rows (not taken: never zero-filled), of another
+  target's kernels, or of size L×F. (Before issue 51: 9.6 MB of residuals for 1.6 MB of inputs here.)"""
+  qkv = jax.ShapeDtypeStruct((RES_B, RES_L, RES_H, RES_D), jnp.float32)
+  proj = jax.ShapeDtypeStruct((RES_M, RES_D), jnp.float32)
+
+  def fn(q, k, v, p):
+    features = attention._feature_fn("positive", p, None, q, k, None, True)
+    return causal_lib.pallas(features, q, k, v, jnp.ones((RES_B, RES_L), bool), chunk_size=128)
+
+  found = _residuals_for_tpu(fn, qkv, qkv, qkv, proj)
+  extra = sum(_bytes(s, d) for s, d, is_input in found if not is_input)
+  rows = RES_B * RES_L * RES_H
+  assert extra <= 6 * rows, found  # the scale (float32) per row, the mask per position, one flag
+
+
+@pytest.mark.slow  # an export of a gradient: seconds
+def test_favor_attention_gradient_keeps_nothing_of_feature_size():
+  """The public call with gates, bfloat16, lowered for TPU: no residual as large as the features (N·L·H·M/2
+  elements or more; the envelope's masks and the division's output are what remains besides the inputs)."""
+  qkv = jax.ShapeDtypeStruct((RES_B, RES_L, RES_H, RES_D), jnp.bfloat16)
+  proj = jax.ShapeDtypeStruct((RES_M, RES_D), jnp.float32)
+  gate = jnp.full((RES_B, RES_L, RES_H), -0.05)
+
+  def fn(q, k, v, p):
+    return core.favor_attention(q, k, v, p, causal=True, causal_method="pallas", chunk_size=128, log_gate=gate)
+
+  found = _residuals_for_tpu(fn, qkv, qkv, qkv, proj)
+  features = RES_B * RES_L * RES_H * RES_M // 2
+  assert all(int(np.prod(s)) < features for s, _, _ in found), found

@@ -6,6 +6,7 @@ Shape letters: see :mod:`favor_jax.core`; R = N·H rows of (sequence, head), L p
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -13,25 +14,26 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array
 
+from favor_jax.core import features as features_lib
 from favor_jax.core.features import head_major
-from favor_jax.core.fused import _floating_first_order as first_order_only  # noqa: F401 (re-exported)
-from favor_jax.core.fused import lost_rows
-from favor_jax.core.state import parts
+from favor_jax.core.state import SAFE_GAP, parts
 
 NEG_INF = -jnp.inf
 
 
 class Rows(NamedTuple):
-  """A call's inputs as rows: ``log_rows(q, k, mask, *consts)`` -> log features [R, L, F] (float32, −∞ for masked keys,
-  padded features and positions), ``value_rows(v)`` -> [R, L, E] (the value, a column of ones, zeros; a
-  function of v alone, so that a custom VJP keeps v, not its padded rows), gate [R, L] or None,
-  seen [R, L] bool (a key in reach: unmasked, at or before the row, no reset in between), and ``back``
-  ([R, L, ...] -> [N, L, H, ...], the padding cut)."""
+  """A call's inputs as rows: ``log_rows(q, k)`` -> log features [R, L, F] (float32, −∞ for masked keys, padded
+  features and positions), ``value_rows(v)`` -> [R, L, E] (the value, a column of ones, zeros), gate [R, L] or
+  None (``gate_rows(gate)`` makes it), seen [R, L] bool (a key in reach: unmasked, at or before the row, no
+  reset in between), ``of(x, fill)`` ([N, L, H(, W)] -> [R, L(, W)], padded with ``fill``) and ``back``
+  ([R, L, ...] -> [N, L, H, ...], the padding cut). Every map here is linear in its array, so a backward
+  transposes it (``jax.linear_transpose``)."""
   log_rows: Callable
-  consts: list
   value_rows: Callable
+  gate_rows: Callable
   gate: Array | None
   seen: Array
+  of: Callable
   back: Callable
 
 
@@ -55,33 +57,68 @@ def prepare(features, q, k, v, mask, gate, *, chunk: int, lane: int) -> Rows:
     pad = [(0, 0), (0, padded - length)] + ([] if width is None else [(0, width - x.shape[-1])])
     return jnp.pad(x, pad, constant_values=value)
 
-  def log_rows(q, k, mask):
+  def log_rows(q, k):
     fq, fk = head_major(features, q, k)
     log_q, _ = parts(fq)
     log_k, _ = parts(fk, mask[:, None, :, None])
     return rows(log_q.astype(jnp.float32), NEG_INF, fp), rows(log_k.astype(jnp.float32), NEG_INF, fp)
 
-  # The features' own parameters (projection, ρ, a learned map) as explicit arguments of the custom VJP; the mask
-  # an argument too (closure_convert hoists floats only: a traced bool left in the closure leaks out of a
-  # platform_dependent branch differentiated by grad).
-  log_rows, consts = jax.closure_convert(log_rows, q, k, mask)
-
   def value_rows(v):  # [N, L, H, Dv] -> [R, L, E]: the value, a column of ones (the denominator), zeros
     ones = jnp.ones(v.shape[:-1] + (1,), v.dtype)
     return rows(jnp.swapaxes(jnp.concatenate([v, ones], axis=-1), 1, 2), 0.0, ep)
+
+  gate_rows = lambda gate: rows(jnp.swapaxes(gate.astype(jnp.float32), 1, 2), 0.0)  # [N, L, H] -> [R, L]
+  of = lambda x, fill: rows(jnp.swapaxes(x, 1, 2), fill, None if x.ndim == 3 else x.shape[-1])
   position = jnp.arange(length)
   last_key = _running_max(jnp.where(mask, position, -1))[:, None, :]  # [N, 1, L]
   g = None
   if gate is None:
     seen = jnp.broadcast_to(last_key >= 0, (n, h, length))
   else:
-    g = jnp.swapaxes(gate.astype(jnp.float32), 1, 2)  # [N, H, L]
-    last_reset = _running_max(jnp.where(g == NEG_INF, position, -1))
+    last_reset = _running_max(jnp.where(jnp.swapaxes(gate, 1, 2) == NEG_INF, position, -1))
     seen = (last_key >= 0) & (last_key >= last_reset)
-    g = rows(g, 0.0)
+    g = gate_rows(gate)
   seen = rows(seen, False)
   back = lambda x: jnp.swapaxes(x[:, :length].reshape((n, h, length) + x.shape[2:]), 1, 2)
-  return Rows(log_rows, consts, value_rows, g, seen, back)
+  return Rows(log_rows, value_rows, gate_rows, g, seen, of, back)
+
+
+def transpose(fn, x, ct):
+  """The cotangent of x under the linear map ``fn`` (a :class:`Rows` map) given ``ct`` of its result."""
+  return jax.linear_transpose(fn, jax.ShapeDtypeStruct(x.shape, x.dtype))(ct)[0]
+
+
+@jax.custom_jvp
+def _first_order_only(x):
+  """x; differentiating it (the backward pass's inputs, under a second derivative) raises a clear error
+  instead of Pallas's own, which names none of the caller's arguments."""
+  return x
+
+
+@_first_order_only.defjvp
+def _first_order_only_jvp(primals, tangents):
+  raise ValueError("causal_method='pallas' has first derivatives only (its backward kernels are not "
+                   "differentiable); for second derivatives (grad of grad, hessian) use causal_method='chunked'")
+
+
+def _floating_first_order(x):
+  return _first_order_only(x) if jnp.issubdtype(x.dtype, jnp.inexact) else x
+
+
+first_order_only = _floating_first_order
+
+
+def lost_rows(den, scale):
+  """Rows that see a key but whose denominator (≥ their largest term) fell below e^{−SAFE_GAP}.
+
+  Args:
+    den: the denominators [N, L, H] (times e^{−scale}).
+    scale: the rows' log-scales [N, L, H], −∞ where a row sees no key.
+
+  Returns:
+    bool [N, L, H].
+  """
+  return jnp.isfinite(scale) & (den < jnp.exp(-SAFE_GAP))
 
 
 def gate_grad(x, g):
@@ -99,13 +136,102 @@ def gate_grad(x, g):
   return jnp.where(reset, 0.0, summed[:, ::-1])
 
 
-def redo_lost(features, q, k, v, mask, gate, out, chunk: int, return_scale: bool, fallback):
-  """``out`` = (num, den, scale), or the ``fallback`` pass's where a row lost its terms (see
-  :func:`favor_jax.core.fused.lost_rows`); ``fallback`` None or False: ``out`` as it is (tests only)."""
-  if fallback:
+class Program(NamedTuple):
+  """One target's fused pass: ``forward(features, q, k, v, gate, mask) -> (num, den, scale)`` (scale [N, L, H]
+  the rows' log-scales, −∞ where a row sees no key: the only statistic kept for the backward) and
+  ``backward(features, params, q, k, v, gate, mask, scale, dnum, dden) -> (dq, dk, dv, dgate, dparams)``
+  (``features`` without its arrays, rebuilt from ``params`` there: :func:`favor_jax.core.features.rebuilt`;
+  ``dparams`` as ``params``, None where one is None)."""
+  forward: Callable
+  backward: Callable
+
+
+def run(programs, redo, features, q, k, v, gate, mask):
+  """(num, den, scale) by ``programs`` (a :class:`Program`, or a dict of them by ``jax.lax.platform_dependent``'s
+  keywords: the target chosen where the program is lowered), or by ``redo`` (``redo(features, q, k, v, gate,
+  mask)``, the XLA pass; None: never, tests only) where a row lost its terms (:func:`lost_rows`).
+
+  One custom VJP around all of it: the forward takes the target's forward and one ``cond`` whose branches
+  return outputs only (the redo's primal), the backward the target's backward or, where the forward redid
+  the call, the redo differentiated (its forward recomputed there). The residuals are the inputs, the
+  features' arrays, the row scales [N, L, H] and one flag: no residual of a branch not taken (neither of
+  another target nor of the redo) is kept or zero-filled, and no zero cotangent is added.
+  """
+  static, params = features_lib.split(features)
+  return _run(programs, redo, static, q, k, v, gate, mask, *params)
+
+
+def _forward(programs, redo, static, q, k, v, gate, mask, params):
+  features = features_lib.rebuilt(static, params)
+  if isinstance(programs, Program):
+    out = tuple(programs.forward(features, q, k, v, gate, mask))
+  else:
+    out = _platform_forward(programs, static, q, k, v, gate, mask, params)
+  if redo is None:
+    return out, out[2], jnp.zeros((), bool)
+  lost = jnp.any(lost_rows(out[1], out[2]))
+  final = jax.lax.cond(lost, lambda: tuple(redo(features, q, k, v, gate, mask)), lambda: out)
+  return final, out[2], lost
+
+
+def _platform_forward(programs, static, q, k, v, gate, mask, params):
+  def branch(prog):
+    return lambda q, k, v, gate, mask, params: tuple(
+        prog.forward(features_lib.rebuilt(static, params), q, k, v, gate, mask))
+  return jax.lax.platform_dependent(q, k, v, gate, mask, params,
+                                    **{p: branch(prog) for p, prog in programs.items()})
+
+
+def _platform_backward(programs, static, *args):
+  if isinstance(programs, Program):
+    return programs.backward(static, *args)
+  return jax.lax.platform_dependent(*args, **{p: functools.partial(prog.backward, static)
+                                               for p, prog in programs.items()})
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _run(programs, redo, static, q, k, v, gate, mask, *params):
+  return _forward(programs, redo, static, q, k, v, gate, mask, params)[0]
+
+
+def _run_fwd(programs, redo, static, q, k, v, gate, mask, *params):
+  q, k, v, gate, params = jax.tree.map(first_order_only, (q, k, v, gate, params))  # 2nd derivative: error
+  out, scale, lost = _forward(programs, redo, static, q, k, v, gate, mask, params)
+  return out, (q, k, v, gate, mask, params, scale, lost)
+
+
+def _run_bwd(programs, redo, static, res, cts):
+  res, cts = jax.tree.map(first_order_only, (res, cts))
+  q, k, v, gate, mask, params, scale, lost = res
+  dnum, dden, _ = cts  # the scale is a constant (as in the XLA pass)
+
+  def fused():
+    return tuple(_platform_backward(programs, static, params, q, k, v, gate, mask, scale, dnum, dden))
+
+  def again():
+    def call(q, k, v, gate, *params):
+      return tuple(redo(features_lib.rebuilt(static, params), q, k, v, gate, mask))[:2]
+    _, vjp = jax.vjp(call, q, k, v, gate, *params)
+    dq, dk, dv, dg, *dparams = vjp((dnum, dden))
+    return dq, dk, dv, dg, tuple(dparams)
+
+  if redo is None:
+    dq, dk, dv, dg, dparams = fused()
+  else:
+    dq, dk, dv, dg, dparams = jax.lax.cond(lost, again, fused)
+  return (dq, dk, dv, dg, None, *dparams)
+
+
+_run.defvjp(_run_fwd, _run_bwd)
+
+
+def xla_redo(fallback, chunk: int):
+  """``fallback(features, q, k, v, mask, chunk_size=chunk, return_scale=True[, gate=gate])`` as :func:`run`
+  calls it: (features, q, k, v, gate, mask) -> (num, den, scale); None where ``fallback`` is None or False."""
+  if not fallback:
+    return None
+
+  def redo(features, q, k, v, gate, mask):
     given = {} if gate is None else {"gate": gate}
-    out = jax.lax.cond(
-        jnp.any(lost_rows(out[1], out[2])),
-        lambda: tuple(fallback(features, q, k, v, mask, chunk_size=chunk, return_scale=True, **given)),
-        lambda: tuple(out))
-  return tuple(out) if return_scale else tuple(out[:2])
+    return tuple(fallback(features, q, k, v, mask, chunk_size=chunk, return_scale=True, **given))
+  return redo

@@ -35,6 +35,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from favor_jax.core import features as features_lib
 from favor_jax.core import fused_rows
 from favor_jax.core.features import exponential_features
 
@@ -228,40 +229,50 @@ def _forward(lq, lk, v, g, cfg):
                [("e", jnp.float32), ("1", jnp.float32)])
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _fused(log_rows, value_rows, cfg, q, k, v, g, seen, mask, *consts):
-  """(y [R, L, E], m [R, L, 1]): [numerator, denominator] times e^{−m} of the features ``log_rows(q, k, mask,
-  *consts)`` (padded [R, L, F] float32 logs), ``value_rows(v)`` [R, L, E] (v with its column of ones), g [R, L]
-  log gates or None,
-  ``seen`` [R, L] whether a row has a key in reach."""
-  return _forward(*log_rows(q, k, mask, *consts), value_rows(v), g, cfg)
+def program(cfg: Config) -> fused_rows.Program:
+  """The Mosaic kernels as a :class:`~favor_jax.core.fused_rows.Program`: the forward kernel, then (backward)
+  the features recomputed from q, k and the projection (kept: the inputs and the row scales, not the
+  features) and the ∂ℓq and ∂ℓk/∂v kernels."""
+  def forward(features, q, k, v, gate, mask):
+    rows = fused_rows.prepare(features, q, k, v, mask, gate, chunk=cfg.chunk, lane=LANE)
+    y, m = _forward(*rows.log_rows(q, k), rows.value_rows(v), rows.gate, cfg)
+    dv = v.shape[-1]
+    return rows.back(y[..., :dv]), rows.back(y[..., dv]), rows.back(jnp.where(rows.seen, m[..., 0], NEG_INF))
+
+  def backward(static, params, q, k, v, gate, mask, scale, dnum, dden):
+    def logs(q, k, *params):
+      features = features_lib.rebuilt(static, params)
+      return fused_rows.prepare(features, q, k, v, mask, gate, chunk=cfg.chunk, lane=LANE).log_rows(q, k)
+
+    rows = fused_rows.prepare(features_lib.rebuilt(static, params), q, k, v, mask, gate, chunk=cfg.chunk,
+                              lane=LANE)
+    (lq, lk), features_vjp = jax.vjp(logs, q, k, *params)
+    vv = rows.value_rows(v)
+    r, length, f = lq.shape
+    e, dv = vv.shape[-1], v.shape[-1]
+    ms = jnp.where(rows.seen, _safe(rows.of(scale, NEG_INF)), jnp.inf)[..., None]  # rows without terms: none
+    y_shape = jax.ShapeDtypeStruct(vv.shape, jnp.float32)
+    (dy,) = jax.linear_transpose(lambda y: (rows.back(y[..., :dv]), rows.back(y[..., dv])), y_shape)(
+        (dnum.astype(jnp.float32), dden.astype(jnp.float32)))
+    ins = _ins(lq, lk, vv, rows.gate, cfg) + [("1", ms), ("e", dy)]
+    (dlq,) = _call(_dq_kernel, cfg, length, f, e, ins, [("f", jnp.float32)])
+    dlk, dvv = _call(_dk_kernel, cfg, length, f, e, ins, [("f", jnp.float32), ("e", jnp.float32)], reverse=True)
+    dq, dk, *dparams = features_vjp((dlq, dlk))  # masked keys and padded features: exactly zero already
+    dv_ = fused_rows.transpose(rows.value_rows, v, dvv.astype(v.dtype))
+    dg = None
+    if gate is not None:
+      dg = fused_rows.transpose(rows.gate_rows, gate, fused_rows.gate_grad(jnp.sum(dlq, -1) - jnp.sum(dlk, -1),
+                                                                              rows.gate))
+    return dq, dk, dv_, dg, tuple(dparams)
+
+  return fused_rows.Program(forward, backward)
 
 
-def _fused_fwd(log_rows, value_rows, cfg, q, k, v, g, seen, mask, *consts):
-  q, k, v, g, consts = jax.tree.map(fused_rows.first_order_only, (q, k, v, g, consts))
-  y, m = _forward(*log_rows(q, k, mask, *consts), value_rows(v), g, cfg)
-  return (y, m), (q, k, v, g, seen, mask, consts, m)  # the inputs (features recomputed), the row scales
-
-
-def _fused_bwd(log_rows, value_rows, cfg, res, cts):
-  res, cts = jax.tree.map(fused_rows.first_order_only, (res, cts))
-  q, k, v_in, g, seen, mask, consts, m = res
-  v, values_vjp = jax.vjp(value_rows, v_in)
-  (lq, lk), features_vjp = jax.vjp(lambda q, k, *consts: log_rows(q, k, mask, *consts), q, k, *consts)
-  dy = cts[0]  # the scale is a constant (as in the XLA pass)
-  r, length, f = lq.shape
-  e = v.shape[-1]
-  ms = jnp.where(seen[..., None], _safe(jax.lax.stop_gradient(m)), jnp.inf)  # rows without terms: none
-  ins = _ins(lq, lk, v, g, cfg) + [("1", ms), ("e", dy)]
-  (dlq,) = _call(_dq_kernel, cfg, length, f, e, ins, [("f", jnp.float32)])
-  dlk, dv = _call(_dk_kernel, cfg, length, f, e, ins, [("f", jnp.float32), ("e", jnp.float32)], reverse=True)
-  dq, dk, *dconsts = features_vjp((dlq, dlk))  # masked keys and padded features: exactly zero already
-  dconsts = [None if d.dtype == jax.dtypes.float0 else d for d in dconsts]  # a mask is a constant
-  dg = None if g is None else fused_rows.gate_grad(jnp.sum(dlq, -1) - jnp.sum(dlk, -1), g)
-  return (dq, dk, values_vjp(dv.astype(v.dtype))[0], dg, None, None, *dconsts)
-
-
-_fused.defvjp(_fused_fwd, _fused_bwd)
+def config(q, k, v, gate, *, chunk_size: int, precision, interpret) -> Config:
+  """The :class:`Config` of one call (its chunk, precision and operand dtype from the inputs)."""
+  c = chunk_rows(chunk_size, bool(interpret))
+  operands = "bfloat16" if jnp.result_type(q, k, v) == jnp.bfloat16 and precision is None else "float32"
+  return Config(c, interpret, mosaic_precision(precision), operands, gate is not None)
 
 
 def causal(features, q, k, v, mask, *, chunk_size: int = 128, gate=None, precision=None, interpret=False,
@@ -286,12 +297,6 @@ def causal(features, q, k, v, mask, *, chunk_size: int = 128, gate=None, precisi
   if not exponential_features(features, q, k):
     raise ValueError("causal_method='pallas' needs features that are exponentials with a log per feature "
                      "(no multiplier); this kernel's are not: use causal_method='chunked'")
-  c = chunk_rows(chunk_size, bool(interpret))
-  operands = "bfloat16" if jnp.result_type(q, k, v) == jnp.bfloat16 and precision is None else "float32"
-  cfg = Config(c, interpret, mosaic_precision(precision), operands, gate is not None)
-  prepared = fused_rows.prepare(features, q, k, v, mask, gate, chunk=c, lane=LANE)
-  y, m = _fused(prepared.log_rows, prepared.value_rows, cfg, q, k, v, prepared.gate, prepared.seen, mask,
-                *prepared.consts)
-  num, den = prepared.back(y[..., :v.shape[-1]]), prepared.back(y[..., v.shape[-1]])
-  scale = prepared.back(jnp.where(prepared.seen, jax.lax.stop_gradient(m[..., 0]), NEG_INF))
-  return fused_rows.redo_lost(features, q, k, v, mask, gate, (num, den, scale), c, return_scale, fallback)
+  cfg = config(q, k, v, gate, chunk_size=chunk_size, precision=precision, interpret=interpret)
+  out = fused_rows.run(program(cfg), fused_rows.xla_redo(fallback, cfg.chunk), features, q, k, v, gate, mask)
+  return out if return_scale else out[:2]
