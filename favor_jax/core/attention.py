@@ -93,7 +93,8 @@ def _linear(features, query, key, value, key_mask, causal, causal_method, chunk_
   segments: ``hybrid.segmented``), or the causal one ``causal_method`` chooses (arguments checked by the
   caller); ``gates`` a ``gates.Gates``; ``precision`` (checked) handed to the causal pass."""
   def algorithm(q, k, v, mask):
-    v = v.astype(jnp.float32)
+    if not (causal and causal_method in ("pallas", "auto")):  # the fused kernels read v in its own dtype
+      v = v.astype(jnp.float32)
     if not causal and gates is not None:
       return state_lib.divide(*hybrid_lib.segmented(features, q, k, v, mask, gates.start, chunk_size))
     if not causal:

@@ -16,7 +16,6 @@ denominator (both times the same per-row factor) as :func:`~favor_jax.core.causa
 
 from __future__ import annotations
 
-import functools
 import inspect
 import os
 

@@ -175,6 +175,39 @@ def test_every_kernel_dot_takes_the_precision_asked_for():
     assert sum(p[0] == want for p in found) >= 3 * 3, (asked, found)
 
 
+def _kernel_operands(jaxpr, inside=False):
+  """The operand dtypes of every dot_general inside the pallas_calls of ``jaxpr`` (walked recursively)."""
+  found = []
+  for eqn in jaxpr.eqns:
+    if inside and eqn.primitive.name == "dot_general":
+      found.append(tuple(str(x.aval.dtype) for x in eqn.invars))
+    for value in eqn.params.values():
+      for sub in value if isinstance(value, (tuple, list)) else (value,):
+        sub = getattr(sub, "jaxpr", sub)
+        if hasattr(sub, "eqns"):
+          found += _kernel_operands(sub, inside or eqn.primitive.name == "pallas_call")
+  return found
+
+
+def test_bfloat16_inputs_reach_the_kernels_products():
+  """``favor_attention`` on bfloat16 q, k, v through "pallas": the kernels' products of features and values
+  take bfloat16 operands (v is not cast to float32 on the way), those with a state float32; float32 inputs
+  (or HIGHEST) give float32 operands throughout."""
+  q, k, v, mask = _inputs(length=16)
+  proj, _ = _params("positive", q, k, mask)
+
+  def operands(dtype, precision=None):
+    call = lambda q, k, v: core.favor_attention(q, k, v, proj, causal=True, causal_method="pallas", chunk_size=16,
+                                                precision=precision)
+    return _kernel_operands(jax.make_jaxpr(call)(*(x.astype(dtype) for x in (q, k, v))).jaxpr)
+
+  low = operands(jnp.bfloat16)
+  assert ("bfloat16", "bfloat16") in low and ("float32", "float32") in low, low
+  assert all(a == b for a, b in low), low
+  assert set(operands(jnp.float32)) == {("float32", "float32")}
+  assert set(operands(jnp.bfloat16, "highest")) == {("float32", "float32")}
+
+
 def test_the_interpreted_target_is_named_and_checked(monkeypatch):
   """``FAVOR_JAX_PALLAS_INTERPRET`` picks the kernel "pallas" interprets on a CPU (both give the explicit form);
   another value is refused by name."""
