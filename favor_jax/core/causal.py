@@ -112,7 +112,8 @@ def _xla_program(chunk_size, precision) -> fused_rows.Program:
 
 
 def _mosaic(features, q, k, v, gate, chunk_size, precision, interpret):
-  cfg = fused_tpu.config(q, k, v, gate, chunk_size=chunk_size, precision=precision, interpret=interpret)
+  cfg = fused_tpu.config(q, k, v, gate, chunk_size=chunk_size, precision=precision, interpret=interpret,
+                         features=features)
   return fused_tpu.program(cfg)
 
 

@@ -23,7 +23,7 @@ NEG_INF = -jnp.inf
 
 class Rows(NamedTuple):
   """A call's inputs as rows: ``log_rows(q, k)`` -> log features [R, L, F] (float32, −∞ for masked keys, padded
-  features and positions), ``value_rows(v)`` -> [R, L, E] (the value, a column of ones, zeros), gate [R, L] or
+  features and positions), ``value_rows(v)`` -> [R, L, Dv], gate [R, L] or
   None (``gate_rows(gate)`` makes it), seen [R, L] bool (a key in reach: unmasked, at or before the row, no
   reset in between), ``of(x, fill)`` ([N, L, H(, W)] -> [R, L(, W)], padded with ``fill``) and ``back``
   ([R, L, ...] -> [N, L, H, ...], the padding cut). Every map here is linear in its array, so a backward
@@ -47,10 +47,10 @@ def _running_max(x):
 
 def prepare(features, q, k, v, mask, gate, *, chunk: int, lane: int) -> Rows:
   """The rows of q, k [N, L, H, D], v [N, L, H, Dv], mask [N, L], gate [N, L, H] (or None): L padded to a
-  multiple of ``chunk``, features and E = Dv + 1 to a multiple of ``lane``."""
+  multiple of ``chunk``, features to a multiple of ``lane`` (values unpadded: a block as wide as its array)."""
   n, length, h = q.shape[:3]
   f = jax.eval_shape(lambda: head_major(features, q, k)[0].log).shape[-1]
-  padded, fp, ep = _round_up(length, chunk), _round_up(f, lane), _round_up(v.shape[-1] + 1, lane)
+  padded, fp = _round_up(length, chunk), _round_up(f, lane)
 
   def rows(x, value, width=None):  # [N, H, L, W] or [N, H, L] -> [N·H, padded(, width)]
     x = x.reshape((n * h,) + x.shape[2:])
@@ -63,9 +63,8 @@ def prepare(features, q, k, v, mask, gate, *, chunk: int, lane: int) -> Rows:
     log_k, _ = parts(fk, mask[:, None, :, None])
     return rows(log_q.astype(jnp.float32), NEG_INF, fp), rows(log_k.astype(jnp.float32), NEG_INF, fp)
 
-  def value_rows(v):  # [N, L, H, Dv] -> [R, L, E]: the value, a column of ones (the denominator), zeros
-    ones = jnp.ones(v.shape[:-1] + (1,), v.dtype)
-    return rows(jnp.swapaxes(jnp.concatenate([v, ones], axis=-1), 1, 2), 0.0, ep)
+  def value_rows(v):  # [N, L, H, Dv] -> [R, L, Dv] (the denominator has a state of its own: no column of ones)
+    return rows(jnp.swapaxes(v, 1, 2), 0.0, v.shape[-1])
 
   gate_rows = lambda gate: rows(jnp.swapaxes(gate.astype(jnp.float32), 1, 2), 0.0)  # [N, L, H] -> [R, L]
   of = lambda x, fill: rows(jnp.swapaxes(x, 1, 2), fill, None if x.ndim == 3 else x.shape[-1])
