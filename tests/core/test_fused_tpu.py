@@ -222,3 +222,81 @@ def test_the_interpreted_target_is_named_and_checked(monkeypatch):
   monkeypatch.setenv(causal_lib.INTERPRET_ENV, "cuda")
   with pytest.raises(ValueError, match="FAVOR_JAX_PALLAS_INTERPRET must be one of .* got 'cuda'"):
     run()
+
+
+GEO_B, GEO_L, GEO_H, GEO_D, GEO_M = 1, 256, 2, 16, 32  # two chunks of 128 rows: the geometry the TPU compiles
+
+
+def _geo_decay(log_gate):
+  """[B, t, j, H] Σ_{j<l≤t} log f_l (−∞ for j > t and across a −∞ gate), float64: differences of float64 running
+  sums of the finite gates (|error| ≤ 1e-16·Σ|g|: tiny here), resets by counting them."""
+  g = np.asarray(log_gate, np.float64)
+  reset = np.isneginf(g)
+  run = np.cumsum(np.where(reset, 0.0, g), axis=1)
+  count = np.cumsum(reset, axis=1)
+  d = run[:, :, None, :] - run[:, None, :, :]
+  t, j = np.meshgrid(np.arange(g.shape[1]), np.arange(g.shape[1]), indexing="ij")
+  ok = (j <= t)[None, :, :, None] & (count[:, :, None, :] == count[:, None, :, :])
+  return np.where(ok, d, -np.inf)
+
+
+@functools.cache
+def _geo_call(kernel):
+  def run(q, k, v, proj, mask, g, ids):
+    return core.favor_attention(q, k, v, proj, kernel=kernel, causal=True, causal_method="pallas", chunk_size=128,
+                                key_mask=mask, log_gate=g, segment_ids=ids)
+  return jax.jit(run)
+
+
+@pytest.mark.slow  # interpreted chunks of 128 rows, three scales, two dtypes: tens of seconds
+@pytest.mark.parametrize("kernel", ["positive", "hyperbolic"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_the_compiled_chunk_geometry_equals_the_explicit_form(kernel, dtype):
+  """Chunks of 128 rows (what the TPU runs; features on chip), gates with exact zeros, segment ids with a
+  boundary on the chunk edge and inside a chunk, a masked key, ×1/×7/×20, float32 and bfloat16 (the float64
+  form of the same rounded inputs): outputs within 1e-5 (float32) / 2e-2 (bfloat16, its operands' rounding)
+  of the largest, scaled by the logits' spread s²; gradients in q, k, v, the projection and the gate at ×1."""
+  ks = jax.random.split(jax.random.PRNGKey(21), 4)
+  shape = (GEO_B, GEO_L, GEO_H, GEO_D)
+  q0, k0, v0 = (jax.random.normal(x, shape) for x in ks[:3])
+  proj = core.orthogonal_projection(ks[3], GEO_M, GEO_D)
+  rng = np.random.default_rng(4)
+  f = rng.choice(np.asarray([1.0, 0.97, 0.5, 1e-3, 0.0]), size=(GEO_B, GEO_L, GEO_H), p=[0.4, 0.3, 0.2, 0.07, 0.03])
+  with np.errstate(divide="ignore"):
+    g = jnp.asarray(np.log(f), jnp.float32)
+  ids = np.zeros((GEO_B, GEO_L), np.int32)
+  ids[:, 128:] += 1
+  ids[:, 200:] += 1
+  ids = jnp.asarray(ids)
+  mask = jnp.ones((GEO_B, GEO_L), bool).at[0, 130].set(False)
+  start = np.concatenate([np.zeros((GEO_B, 1), bool), np.asarray(ids)[:, 1:] != np.asarray(ids)[:, :-1]], 1)
+  combined = np.where(start[..., None], -np.inf, np.asarray(g))  # a segment start is a reset
+  bias = _geo_decay(combined)
+  tol = 1e-5 if dtype == jnp.float32 else 2e-2
+  for scale in (1.0, 7.0, 20.0):
+    q, k, v = (x.astype(dtype) for x in (scale * q0, scale * k0, v0))
+    got = np.asarray(_geo_call(kernel)(q, k, v, proj, mask, g, ids), np.float64)
+    want, _ = test_gates.explicit(kernel, *(x.astype(jnp.float32) for x in (q, k, v)), proj, None, mask, bias)
+    np.testing.assert_allclose(got, want, atol=tol * scale ** 2 * np.max(np.abs(want)), err_msg=f"×{scale}")
+    assert not np.any(np.all(got == 0, -1) & ~np.all(want == 0, -1)), f"a silent zero row at ×{scale}"
+  if dtype != jnp.float32:
+    return
+  cot = jax.random.normal(jax.random.PRNGKey(8), shape)
+  loss = lambda q, k, v, p, g: jnp.sum(_geo_call(kernel)(q, k, v, p, mask, g, ids) * cot)
+  got = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))(q0, k0, v0, proj, g)
+
+  def reference(q, k, v, p, g):
+    gg = jnp.where(jnp.asarray(start)[..., None], -jnp.inf, g)
+    run = jnp.cumsum(jnp.where(jnp.isneginf(gg), 0.0, gg), axis=1)
+    count = np.cumsum(np.isneginf(combined), axis=1)  # where the resets are: not differentiated
+    t, j = np.meshgrid(np.arange(GEO_L), np.arange(GEO_L), indexing="ij")
+    ok = (j <= t)[None, :, :, None] & (count[:, :, None, :] == count[:, None, :, :])
+    d = jnp.where(ok, run[:, :, None, :] - run[:, None, :, :], -jnp.inf)
+    return jnp.sum(test_gates.explicit(kernel, q, k, v, p, None, mask, d, xp=jnp)[0] * cot)
+
+  want = jax.grad(reference, argnums=(0, 1, 2, 3, 4))(q0, k0, v0, proj, g)
+  for what, a, b in zip(("q", "k", "v", "projection", "gate"), got, want):
+    a, b = np.asarray(a), np.asarray(b)
+    b = np.where(np.isfinite(b), b, 0.0)
+    assert np.all(np.isfinite(a)), what
+    np.testing.assert_allclose(a, b, atol=2e-4 * max(np.max(np.abs(b)), 1e-3), rtol=0, err_msg=f"d/d{what}")
