@@ -221,8 +221,8 @@ def favor_attention(
 
   ``log_gate``, ``segment_ids``: as in :func:`softmax_attention` (unbiased for its weights: the state decays
   by f_t in its log-scale before key t joins, RFA's gate, Peng et al. 2021; bidirectional segments: a causal
-  pass with resets and a reversed one; a data-dependent kernel's statistic stays the whole row's). ``"pallas"``
-  refuses them (``ValueError``); ``"auto"`` then runs ``"chunked"``.
+  pass with resets and a reversed one; a data-dependent kernel's statistic stays the whole row's); the fused
+  kernels of ``"pallas"`` and ``"auto"`` take them too.
 
   Raises:
     TypeError: if an input is not a floating array, a mask not bool or ``causal`` not a bool.
