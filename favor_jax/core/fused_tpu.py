@@ -110,12 +110,26 @@ def _iota(c, axis):
   return jax.lax.broadcasted_iota(jnp.int32, (c, c), axis)
 
 
+def _suffix_sums(x):
+  """Σ_{l ≥ j} x[t, l] for every (t, j) of x [C, C]: a log-depth (Hillis–Steele) scan along the lanes, log2 C
+  steps of a lane rotation and an add on the VPU. With terms of one sign (here ≤ 0, −∞ allowed) every
+  partial sum is a sum of such terms: relative error ≤ log2(C)·ε, no cancellation, and a −∞ term gives −∞
+  (never ∞ − ∞)."""
+  c = x.shape[1]
+  lane = jax.lax.broadcasted_iota(jnp.int32, x.shape, 1)
+  step = 1
+  while step < c:
+    x = x + jnp.where(lane + step < c, pltpu.roll(x, c - step, 1), 0.0)  # x[t, l + step], 0 past the end
+    step *= 2
+  return x
+
+
 def _decays(g_ref, c):
   """The gates of one chunk, g [1, C] (≤ 0, −∞ at a reset), as (a [C, 1], b [C, 1], total [1, 1], e^D [C, C]):
   a_t = Σ_{start≤l≤t} g_l, b_j = Σ_{j<l≤end} g_l, total = Σ_{start≤l≤end} g_l, D_tj = Σ_{j<l≤t} g_l (and
   e^D = 0 for j > t). Sums of terms ≤ 0 (never differences of running sums: no cancellation), −∞ where a
-  reset is among the terms; D as a product with a 0/1 matrix, at HIGHEST whatever the call's precision
-  (a sum, not an attention product: a bfloat16 pass would round the gates)."""
+  reset is among the terms; D by a log-depth scan on the VPU (:func:`_suffix_sums`, O(C² log C) additions,
+  no [C, C] × [C, C] product): row t holds g_{l+1} for l + 1 ≤ t, summed from lane j on."""
   t, l = _iota(c, 0), _iota(c, 1)
   if g_ref is None:
     return 0.0, 0.0, 0.0, jnp.where(l <= t, 1.0, 0.0)
@@ -128,12 +142,10 @@ def _decays(g_ref, c):
     return jnp.where(jnp.sum(jnp.where(keep, reset, 0.0), axis=1, keepdims=True) > 0, NEG_INF, s)
 
   total = jnp.where(jnp.sum(reset, axis=1, keepdims=True) > 0, NEG_INF, jnp.sum(fin, axis=1, keepdims=True))
-  later = jnp.where(l < t, 1.0, 0.0)  # [l, j]: 1 for j < l
-  exact = lambda x: jax.lax.dot_general(x, later, (((1,), (0,)), ((), ())), precision=jax.lax.Precision.HIGHEST,
-                                        preferred_element_type=jnp.float32)
-  d_fin = exact(jnp.where(l <= t, fin, 0.0))
-  d_reset = exact(jnp.where(l <= t, reset, 0.0))
-  decay = jnp.where((l <= t) & (d_reset < 0.5), jnp.exp(jnp.minimum(d_fin, 0.0)), 0.0)
+  lane = jax.lax.broadcasted_iota(jnp.int32, g.shape, 1)
+  g_next = jnp.where(lane + 1 < c, pltpu.roll(g, c - 1, 1), 0.0)  # g_{l+1} at lane l
+  d = _suffix_sums(jnp.where(l + 1 <= t, g_next, 0.0))
+  decay = jnp.where(l <= t, jnp.exp(jnp.minimum(d, 0.0)), 0.0)
   return summed(l <= t), summed(l > t), total, decay
 
 
