@@ -1,6 +1,6 @@
 """Causal attention's methods, chosen in one place: the XLA passes (:mod:`favor_jax.core.causal_xla`) and the
-fused Pallas kernels, Mosaic for TPU (:mod:`favor_jax.core.fused_tpu`) and Triton for GPU
-(:mod:`favor_jax.core.fused`), by ``causal_method``.
+fused Pallas kernels, Mosaic for TPU (:mod:`favor_jax.core.fused.tpu`) and Triton for GPU
+(:mod:`favor_jax.core.fused.gpu`), by ``causal_method``.
 
 The fused kernel is chosen where the program is lowered (``jax.lax.platform_dependent``), not by the machine
 that traces it: exporting for a TPU from any machine takes the Mosaic kernel, for CUDA or ROCm the Triton
@@ -25,10 +25,12 @@ from jax.extend.core import Primitive
 from jax.interpreters import mlir
 
 from favor_jax.core import features as features_lib
-from favor_jax.core import fused, fused_rows, fused_tpu
 from favor_jax.core import state as state_lib
 from favor_jax.core.causal_xla import chunked, cumsum, scan
 from favor_jax.core.features import exponential_features
+from favor_jax.core.fused import gpu as fused
+from favor_jax.core.fused import rows as fused_rows
+from favor_jax.core.fused import tpu as fused_tpu
 
 INTERPRET_ENV = "FAVOR_JAX_PALLAS_INTERPRET"
 INTERPRET_TARGETS = ("mosaic", "triton")
@@ -118,7 +120,7 @@ def _mosaic(features, q, k, v, gate, chunk_size, precision, interpret):
 
 
 def _triton(features, q, k, v, gate, chunk_size, precision, interpret):
-  """The Triton kernels, given ``gate`` and ``precision`` where :func:`favor_jax.core.fused.causal` takes them."""
+  """The Triton kernels, given ``gate`` and ``precision`` where :func:`favor_jax.core.fused.gpu.causal` takes them."""
   given = {name: x for name, x in (("gate", gate), ("precision", precision)) if x is not None}
   lacking = sorted(set(given) - _TRITON_TAKES)
   if lacking:
@@ -131,7 +133,7 @@ def _triton(features, q, k, v, gate, chunk_size, precision, interpret):
 def _fused(features, q, k, v, mask, gate, chunk_size, precision, *, return_scale, divide, xla_elsewhere: bool):
   """The output (``divide``) or (num, den[, scale]) by the fused kernel of the platform the program is lowered
   for; on a CPU the XLA pass (``xla_elsewhere``) or the interpreter of :func:`interpreted_target`. One
-  custom VJP around the choice (:func:`favor_jax.core.fused_rows.run`), so a gradient keeps the residuals of
+  custom VJP around the choice (:func:`favor_jax.core.fused.rows.run`), so a gradient keeps the residuals of
   no target but the one lowered."""
   if divide and return_scale:
     raise ValueError("causal_method 'pallas'/'auto' with divide=True returns the output only: return_scale must "

@@ -1,4 +1,4 @@
-"""The Mosaic (TPU) fused causal kernels (:mod:`favor_jax.core.fused_tpu`), run here in Pallas's TPU interpret
+"""The Mosaic (TPU) fused causal kernels (:mod:`favor_jax.core.fused.tpu`), run here in Pallas's TPU interpret
 mode (reads of uninitialised memory give NaN, reads out of bounds raise) and, through
 ``causal_method="pallas"``, its generic interpreter: outputs and gradients against the explicit float64
 forms (every kernel with exponential features, masks, L not a multiple of the chunk, ×1/×7/×20, float32 and
@@ -15,8 +15,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from favor_jax import core
-from favor_jax.core import attention, fused_tpu
+from favor_jax.core import attention
 from favor_jax.core import causal as causal_lib
+from favor_jax.core.fused import tpu as fused_tpu
 from favor_jax.core.state import SAFE_GAP, divide
 from tests.core import test_gates
 from tests.core.test_fused import FUSED, _inputs, _params

@@ -2,7 +2,7 @@
 for a TPU (and, interpreted, on a CPU: see :mod:`favor_jax.core.causal`).
 
 The same estimator as :func:`favor_jax.core.causal_xla.chunked` and the Triton kernels
-(:mod:`favor_jax.core.fused`): features in log domain (φ = exp(log)), every stabiliser from keys a row may
+(:mod:`favor_jax.core.fused.gpu`): features in log domain (φ = exp(log)), every stabiliser from keys a row may
 see, the row scales constants under ``grad``. Where the kernel record says how (``Kernel.fused_map``:
 positive, hyperbolic; :func:`feature_map`), the kernels read q, k, v in their own dtype and the projection
 and compute the log features ω·x − ‖x‖²/2 − log √M in VMEM, forward and backward (nothing of size L×F goes
@@ -27,7 +27,7 @@ interpreted), L a multiple of the chunk. Products of features and values take bf
 input is bfloat16 and the precision is the default, products with a state (and the projection's) float32
 ones. A later key in a row's chunk can raise its scale m_t above its largest term; rows whose denominator
 falls below e^{−SAFE_GAP} are detected and the call is redone by the XLA pass (never a silent zero), decided
-inside the custom VJP (:func:`favor_jax.core.fused_rows.run`).
+inside the custom VJP (:func:`favor_jax.core.fused.rows.run`).
 Shape letters: see :mod:`favor_jax.core`; R = N·H rows, C rows per chunk, F features (padded), D head dim.
 """
 
@@ -43,8 +43,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from favor_jax.core import features as features_lib
-from favor_jax.core import fused_rows
 from favor_jax.core.features import exponential_features, head_major
+from favor_jax.core.fused import rows as fused_rows
 
 NEG_INF = -jnp.inf
 LANE, SUBLANE = 128, 8  # a TPU vector register's lanes (minor axis) and sublanes
@@ -348,7 +348,7 @@ def _projection_rows(projection, name, f_pad, d):
 
 
 def program(cfg: Config) -> fused_rows.Program:
-  """The Mosaic kernels as a :class:`~favor_jax.core.fused_rows.Program`: the forward kernel, then (backward)
+  """The Mosaic kernels as a :class:`~favor_jax.core.fused.rows.Program`: the forward kernel, then (backward)
   the ∂ℓq and ∂ℓk/∂v kernels. With ``cfg.feature_map`` the kernels read q, k, v in their dtype and the
   projection and compute the features on chip, forward and backward (nothing of size L×F in HBM; the
   backward gives ∂q, ∂k and the projection's gradient per row); otherwise they read the features XLA computed

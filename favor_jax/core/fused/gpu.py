@@ -1,7 +1,7 @@
 """Causal FAVOR as fused Pallas kernels (Triton on GPU; Pallas's interpreter elsewhere): ``causal_method="pallas"``.
 
 The same estimator as :func:`favor_jax.core.causal_xla.chunked`, computed by four kernels over chunks of C
-rows (their bodies: :mod:`favor_jax.core.fused_kernels`), with the features in log domain (φ = exp(log)) and
+rows (their bodies: :mod:`favor_jax.core.fused.gpu_bodies`), with the features in log domain (φ = exp(log)) and
 every stabiliser taken from keys a row may see:
 
 - ``states_kernel`` (one program per (sequence·head, feature block), chunks in order): the state before
@@ -43,11 +43,12 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from favor_jax.core import features as features_lib
-from favor_jax.core import fused_kernels as kern
-from favor_jax.core import fused_rows, inputs
+from favor_jax.core import inputs
 from favor_jax.core.features import exponential_features, head_major
-from favor_jax.core.fused_kernels import NEG_INF, Blocks
-from favor_jax.core.fused_rows import lost_rows
+from favor_jax.core.fused import gpu_bodies as kern
+from favor_jax.core.fused import rows as fused_rows
+from favor_jax.core.fused.gpu_bodies import NEG_INF, Blocks
+from favor_jax.core.fused.rows import lost_rows
 from favor_jax.core.gates import to_end
 from favor_jax.core.state import parts
 
@@ -168,7 +169,7 @@ class _Rows:
 
 
 def program(blocks: Blocks) -> fused_rows.Program:
-  """The Triton kernels as a :class:`~favor_jax.core.fused_rows.Program`: the prefix states and the outputs
+  """The Triton kernels as a :class:`~favor_jax.core.fused.rows.Program`: the prefix states and the outputs
   (forward); the features and the prefix states recomputed, the suffix states and the gradients (backward).
   Kept between them: the inputs and the row scales (not the features, F/D·4/itemsize times the inputs, nor
   the chunk states, F·E floats per chunk and row)."""
@@ -308,6 +309,6 @@ def causal(features, q, k, v, mask, *, chunk_size: int = 64, blocks: Blocks | No
   blocks = call_blocks(blocks, q, k, v, gate, precision, features)
 
   # A later key in a row's chunk raised its scale so far that its terms may have left float32's range: redo the
-  # call with the XLA pass, which computes such chunks per token (decided inside one custom VJP: fused_rows.run).
+  # call with the XLA pass, which computes such chunks per token (decided inside one custom VJP: fused.rows.run).
   out = fused_rows.run(program(blocks), fused_rows.xla_redo(fallback, blocks.chunk), features, q, k, v, gate, mask)
   return out if return_scale else out[:2]
