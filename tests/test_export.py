@@ -5,16 +5,19 @@ path lowers for "tpu" (the attention functions, the decode step, the Linen and N
 step). Lowering only: nothing here runs on an accelerator."""
 
 import inspect
+import re
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 from flax import linen as nn
 from flax import nnx
 
 from favor_jax import core
-from favor_jax.core import fused
+from favor_jax.core import attention, fused
+from favor_jax.core import causal as causal_lib
 from favor_jax.layers import linen as favor_linen
 from favor_jax.layers import nnx as favor_nnx
 
@@ -119,3 +122,108 @@ def test_every_public_path_lowers_for_tpu():
     return optax.apply_updates(p, updates), o, loss
 
   assert "func.func public @main" in _tpu_text(step, mp, opt.init(mp), x)
+
+
+def _residuals_for_tpu(fn, *shapes):
+  """The residuals a gradient of ``fn`` keeps from its forward to its backward, as lowered for TPU (abstract
+  inputs: nothing allocated): [(shape, dtype, is an input)], read off the exported program's results."""
+  exported = jax.export.export(jax.jit(lambda *x: jax.vjp(fn, *x)[1]), platforms=["tpu"])(*shapes)
+  text = exported.mlir_module()
+  main = text[text.index("func.func public @main"):]
+  end = main.find("func.func", 1)
+  main = main if end < 0 else main[:end]
+  returned = [o.strip() for o in re.findall(r"\breturn (%[^:]*?) :", main)[-1].split(",")]
+  assert len(returned) == len(exported.out_avals)
+  return [(a.shape, a.dtype, o.startswith("%arg")) for o, a in zip(returned, exported.out_avals)]
+
+
+def _bytes(shape, dtype):
+  return int(np.prod(shape)) * jnp.dtype(dtype).itemsize
+
+
+RES_B, RES_L, RES_H, RES_D, RES_M = 1, 1024, 2, 64, 256  # 8 chunks of 128, the geometry the TPU runs
+
+
+@pytest.mark.slow  # an export of a gradient: seconds
+def test_a_fused_gradient_keeps_the_inputs_and_row_statistics_only():
+  """The fused call's residuals, lowered for TPU: its inputs, the projection, the row scales [N, L, H] and the
+  redo's flag; nothing of the XLA pass that redoes lost rows (not taken: never zero-filled), of another
+  target's kernels, or of size L×F. (Before issue 51: 9.6 MB of residuals for 1.6 MB of inputs here.)"""
+  qkv = jax.ShapeDtypeStruct((RES_B, RES_L, RES_H, RES_D), jnp.float32)
+  proj = jax.ShapeDtypeStruct((RES_M, RES_D), jnp.float32)
+
+  def fn(q, k, v, p):
+    features = attention._feature_fn("positive", p, None, q, k, None, True)
+    return causal_lib.pallas(features, q, k, v, jnp.ones((RES_B, RES_L), bool), chunk_size=128)
+
+  found = _residuals_for_tpu(fn, qkv, qkv, qkv, proj)
+  extra = sum(_bytes(s, d) for s, d, is_input in found if not is_input)
+  rows = RES_B * RES_L * RES_H
+  assert extra <= 6 * rows, found  # the scale (float32) per row, the mask per position, one flag
+
+
+@pytest.mark.slow  # an export of a gradient: seconds
+def test_favor_attention_gradient_keeps_nothing_of_feature_size():
+  """The public call with gates, bfloat16, lowered for TPU: no residual as large as the features (N·L·H·M/2
+  elements or more; the envelope's masks and the division's output are what remains besides the inputs)."""
+  qkv = jax.ShapeDtypeStruct((RES_B, RES_L, RES_H, RES_D), jnp.bfloat16)
+  proj = jax.ShapeDtypeStruct((RES_M, RES_D), jnp.float32)
+  gate = jnp.full((RES_B, RES_L, RES_H), -0.05)
+
+  def fn(q, k, v, p):
+    return core.favor_attention(q, k, v, p, causal=True, causal_method="pallas", chunk_size=128, log_gate=gate)
+
+  found = _residuals_for_tpu(fn, qkv, qkv, qkv, proj)
+  features = RES_B * RES_L * RES_H * RES_M // 2
+  assert all(int(np.prod(s)) < features for s, _, _ in found), found
+
+
+ACCEPT = dict(B=2, L=16384, H=8, D=64, M=256)  # issue 51's acceptance shape (abstract: nothing allocated)
+_DTYPE_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "i32": 4, "ui32": 4, "i1": 1, "i8": 1, "i64": 8, "f64": 8, "index": 8}
+
+
+def _tensor(t):
+  """(elements, bytes) of an MLIR ``tensor<AxBx...xT>`` type."""
+  dims, dtype = re.fullmatch(r"tensor<((?:\d+x)*)(\w+)>", t).groups()
+  n = int(np.prod([int(d) for d in dims.split("x") if d]))
+  return n, n * _DTYPE_BYTES[dtype]
+
+
+def _mosaic_traffic(text):
+  """(bytes the Mosaic calls read and write, their count, the largest array's elements anywhere) of an exported
+  program: each ``tpu_custom_call``'s operands and results, as typed on its line."""
+  moved, calls = 0, 0
+  for line in text.splitlines():
+    if "stablehlo.custom_call @tpu_custom_call" in line:
+      calls += 1
+      moved += sum(_tensor(t)[1] for t in re.findall(r"tensor<[^>]*>", line[line.rindex(": (") + 2:]))
+  largest = max(_tensor(t)[0] for t in re.findall(r"tensor<[\dx]*\w+>", text))
+  return moved, calls, largest
+
+
+@pytest.mark.slow  # two exports at L=16384 per case: seconds each
+@pytest.mark.parametrize("what", ["plain", "gated", "packed"])
+def test_mosaic_calls_move_under_a_kilobyte_per_token_and_head_forward(what):
+  """Issue 51's acceptance, exported for TPU (bfloat16 q, k, v, kernel "positive", "pallas", B=2, L=16384, H=8,
+  D=64, M=256): no array with as many elements as the features (B·L·H·M/2) in the forward program; the Mosaic
+  calls move ≤ 1 KiB per token and head forward and ≤ 4 KiB in the gradient program. Measured 2026-12-05:
+  652 / 2733 B plain, 656 / 2753 B gated and packed (before issue 51: 3076 / 11788 B, and the forward held
+  [16, 16384, 256] float32 features)."""
+  b, length, h, d, m = (ACCEPT[x] for x in "BLHDM")
+  qkv = jax.ShapeDtypeStruct((b, length, h, d), jnp.bfloat16)
+  proj = jax.ShapeDtypeStruct((m, d), jnp.float32)
+  gate = jax.ShapeDtypeStruct((b, length, h), jnp.float32)
+  ids = jax.ShapeDtypeStruct((b, length), jnp.int32)
+
+  def forward(q, k, v, p, g, s):
+    kw = {"plain": {}, "gated": {"log_gate": g}, "packed": {"segment_ids": s}}[what]
+    return core.favor_attention(q, k, v, p, causal=True, causal_method="pallas", chunk_size=128, **kw)
+
+  gradient = jax.grad(lambda *x: jnp.sum(forward(*x).astype(jnp.float32)), argnums=(0, 1, 2, 3))
+  per = b * length * h
+  for fn, budget, n_calls in ((forward, 1024, 1), (gradient, 4096, 3)):
+    text = jax.export.export(jax.jit(fn), platforms=["tpu"])(qkv, qkv, qkv, proj, gate, ids).mlir_module()
+    moved, calls, largest = _mosaic_traffic(text)
+    assert calls == n_calls and moved / per <= budget, (fn, calls, moved / per)
+    if fn is forward:
+      assert largest < b * length * h * m // 2, largest

@@ -93,7 +93,8 @@ def _linear(features, query, key, value, key_mask, causal, causal_method, chunk_
   segments: ``hybrid.segmented``), or the causal one ``causal_method`` chooses (arguments checked by the
   caller); ``gates`` a ``gates.Gates``; ``precision`` (checked) handed to the causal pass."""
   def algorithm(q, k, v, mask):
-    v = v.astype(jnp.float32)
+    if not (causal and causal_method in ("pallas", "auto")):  # the fused kernels read v in its own dtype
+      v = v.astype(jnp.float32)
     if not causal and gates is not None:
       return state_lib.divide(*hybrid_lib.segmented(features, q, k, v, mask, gates.start, chunk_size))
     if not causal:
@@ -220,8 +221,8 @@ def favor_attention(
 
   ``log_gate``, ``segment_ids``: as in :func:`softmax_attention` (unbiased for its weights: the state decays
   by f_t in its log-scale before key t joins, RFA's gate, Peng et al. 2021; bidirectional segments: a causal
-  pass with resets and a reversed one; a data-dependent kernel's statistic stays the whole row's). ``"pallas"``
-  refuses them (``ValueError``); ``"auto"`` then runs ``"chunked"``.
+  pass with resets and a reversed one; a data-dependent kernel's statistic stays the whole row's); the fused
+  kernels of ``"pallas"`` and ``"auto"`` take them too.
 
   Raises:
     TypeError: if an input is not a floating array, a mask not bool or ``causal`` not a bool.

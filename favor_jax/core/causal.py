@@ -1,6 +1,6 @@
 """Causal attention's methods, chosen in one place: the XLA passes (:mod:`favor_jax.core.causal_xla`) and the
-fused Pallas kernels, Mosaic for TPU (:mod:`favor_jax.core.fused_tpu`) and Triton for GPU
-(:mod:`favor_jax.core.fused`), by ``causal_method``.
+fused Pallas kernels, Mosaic for TPU (:mod:`favor_jax.core.fused.tpu`) and Triton for GPU
+(:mod:`favor_jax.core.fused.gpu`), by ``causal_method``.
 
 The fused kernel is chosen where the program is lowered (``jax.lax.platform_dependent``), not by the machine
 that traces it: exporting for a TPU from any machine takes the Mosaic kernel, for CUDA or ROCm the Triton
@@ -16,7 +16,6 @@ denominator (both times the same per-row factor) as :func:`~favor_jax.core.causa
 
 from __future__ import annotations
 
-import functools
 import inspect
 import os
 
@@ -25,10 +24,13 @@ import jax.numpy as jnp
 from jax.extend.core import Primitive
 from jax.interpreters import mlir
 
-from favor_jax.core import fused, fused_tpu
+from favor_jax.core import features as features_lib
 from favor_jax.core import state as state_lib
 from favor_jax.core.causal_xla import chunked, cumsum, scan
-from favor_jax.core.features import exponential_features, head_major
+from favor_jax.core.features import exponential_features
+from favor_jax.core.fused import gpu as fused
+from favor_jax.core.fused import rows as fused_rows
+from favor_jax.core.fused import tpu as fused_tpu
 
 INTERPRET_ENV = "FAVOR_JAX_PALLAS_INTERPRET"
 INTERPRET_TARGETS = ("mosaic", "triton")
@@ -63,24 +65,23 @@ def _unavailable_lowering(ctx, *, avals, message):
 mlir.register_lowering(_unavailable_p, _unavailable_lowering)
 
 
-def _unavailable(message, like, features, q, k, v, gate):
-  """Arrays shaped as ``like`` that fail at lowering with ``message``; differentiated, so do the cotangents
-  of q, k, v, gate and the features' logs (a gradient never silently becomes zero)."""
-  def bind(tree):
-    leaves, structure = jax.tree.flatten(tree)
-    avals = tuple(jax.core.ShapedArray(x.shape, x.dtype) for x in leaves)
-    return jax.tree.unflatten(structure, _unavailable_p.bind(avals=avals, message=message))
+def _bind(message, tree):
+  """Arrays shaped as ``tree`` (of ShapeDtypeStructs or arrays; None stays None) that fail at lowering."""
+  leaves, structure = jax.tree.flatten(tree)
+  avals = tuple(jax.core.ShapedArray(x.shape, x.dtype) for x in leaves)
+  return jax.tree.unflatten(structure, _unavailable_p.bind(avals=avals, message=message))
 
-  logs = [f.log for f in head_major(features, q, k) if f.log is not None]
-  inputs = [x for x in (q, k, v, gate, *logs) if x is not None and jnp.issubdtype(x.dtype, jnp.inexact)]
-  shapes = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in inputs]
 
-  @jax.custom_vjp
-  def fail(*inputs):
-    return bind(like)
+def _unavailable(message) -> fused_rows.Program:
+  """A target that cannot run the call: outputs and gradients that fail when lowered, with ``message`` (a
+  gradient never silently becomes zero)."""
+  def forward(features, q, k, v, gate, mask):
+    return _bind(message, _shapes(q, v))
 
-  fail.defvjp(lambda *inputs: (bind(like), None), lambda _, ct: tuple(bind(shapes)))  # keeps nothing
-  return fail(*inputs)
+  def backward(static, params, q, k, v, gate, mask, scale, dnum, dden):
+    return _bind(message, (q, k, v, gate, tuple(params)))
+
+  return fused_rows.Program(forward, backward)
 
 
 def _shapes(q, v):
@@ -91,51 +92,65 @@ def _shapes(q, v):
 
 
 def _xla(precision):
-  """The XLA chunked pass at ``precision`` (the fused kernels' redo of rows that lost their terms)."""
-  return chunked if precision is None else functools.partial(chunked, precision=precision)
+  """The XLA chunked pass at ``precision`` (the fused kernels' redo of rows that lost their terms), on v in
+  float32 (the fused kernels take v in its own dtype; the XLA pass's products follow its operands')."""
+  def xla(features, q, k, v, mask, **kw):
+    given = {} if precision is None else {"precision": precision}
+    return chunked(features, q, k, v.astype(jnp.result_type(v.dtype, jnp.float32)), mask, **kw, **given)
+  return xla
 
 
-def _mosaic(features, q, k, v, mask, gate, chunk_size, precision, interpret):
-  return fused_tpu.causal(features, q, k, v, mask, chunk_size=chunk_size, gate=gate, precision=precision,
-                          interpret=interpret, return_scale=True, fallback=_xla(precision))
+def _xla_program(chunk_size, precision) -> fused_rows.Program:
+  """The XLA chunked pass as a target (``"auto"`` on a CPU): its own forward, its backward by autodiff (its
+  forward recomputed there)."""
+  redo = fused_rows.xla_redo(_xla(precision), chunk_size)
+
+  def backward(static, params, q, k, v, gate, mask, scale, dnum, dden):
+    call = lambda q, k, v, gate, *params: redo(features_lib.rebuilt(static, params), q, k, v, gate, mask)[:2]
+    dq, dk, dv, dg, *dparams = jax.vjp(call, q, k, v, gate, *params)[1]((dnum, dden))
+    return dq, dk, dv, dg, tuple(dparams)
+
+  return fused_rows.Program(redo, backward)
 
 
-def _triton(features, q, k, v, mask, gate, chunk_size, precision, interpret):
-  """The Triton kernels, given ``gate`` and ``precision`` where :func:`favor_jax.core.fused.causal` takes them."""
+def _mosaic(features, q, k, v, gate, chunk_size, precision, interpret):
+  cfg = fused_tpu.config(q, k, v, gate, chunk_size=chunk_size, precision=precision, interpret=interpret,
+                         features=features)
+  return fused_tpu.program(cfg)
+
+
+def _triton(features, q, k, v, gate, chunk_size, precision, interpret):
+  """The Triton kernels, given ``gate`` and ``precision`` where :func:`favor_jax.core.fused.gpu.causal` takes them."""
   given = {name: x for name, x in (("gate", gate), ("precision", precision)) if x is not None}
   lacking = sorted(set(given) - _TRITON_TAKES)
   if lacking:
     return _unavailable(f"causal_method='pallas': the Triton kernels take no {' or '.join(lacking)}; use "
-                        "causal_method='chunked'", _shapes(q, v), features, q, k, v, gate)
-  blocks = fused.blocks_for(chunk_size, interpret=interpret)
-  return fused.causal(features, q, k, v, mask, blocks=blocks, return_scale=True, fallback=_xla(precision), **given)
+                        "causal_method='chunked'")
+  return fused.program(fused.call_blocks(fused.blocks_for(chunk_size, interpret=interpret), q, k, v, gate,
+                                         precision, features))
 
 
 def _fused(features, q, k, v, mask, gate, chunk_size, precision, *, return_scale, divide, xla_elsewhere: bool):
   """The output (``divide``) or (num, den[, scale]) by the fused kernel of the platform the program is lowered
-  for; on a CPU the XLA pass (``xla_elsewhere``) or the interpreter of :func:`interpreted_target`."""
+  for; on a CPU the XLA pass (``xla_elsewhere``) or the interpreter of :func:`interpreted_target`. One
+  custom VJP around the choice (:func:`favor_jax.core.fused.rows.run`), so a gradient keeps the residuals of
+  no target but the one lowered."""
   if divide and return_scale:
     raise ValueError("causal_method 'pallas'/'auto' with divide=True returns the output only: return_scale must "
                      "be False")
   fused.blocks_for(chunk_size)  # the chunk every target takes (a power of two >= 16), checked on any machine
-  finish = lambda out: state_lib.divide(*out[:2]) if divide else (tuple(out) if return_scale else tuple(out[:2]))
-
-  def branch(run, interpret):
-    return lambda *x: finish(run(features, *x, chunk_size, precision, interpret=interpret))
-
   if xla_elsewhere:
-    cpu = lambda q, k, v, mask, gate: _xla(precision)(features, q, k, v, mask, chunk_size=chunk_size,
-                                                      return_scale=return_scale, divide=divide,
-                                                      **({} if gate is None else {"gate": gate}))
+    cpu = _xla_program(chunk_size, precision)
   else:
-    cpu = branch(_mosaic if interpreted_target() == "mosaic" else _triton, True)
-  args = (q, k, v, mask, gate)
-  like = jax.eval_shape(finish, _shapes(q, v))
-  default = lambda q, k, v, mask, gate: _unavailable(
-      "causal_method='pallas' has no fused kernel for this platform (TPU: Mosaic; CUDA, ROCm: Triton; CPU: "
-      "interpreted); use causal_method='chunked'", like, features, q, k, v, gate)
-  return jax.lax.platform_dependent(*args, tpu=branch(_mosaic, False), cuda=branch(_triton, False),
-                                    rocm=branch(_triton, False), cpu=cpu, default=default)
+    interpreted = _mosaic if interpreted_target() == "mosaic" else _triton
+    cpu = interpreted(features, q, k, v, gate, chunk_size, precision, True)
+  programs = dict(tpu=_mosaic(features, q, k, v, gate, chunk_size, precision, False),
+                  cuda=_triton(features, q, k, v, gate, chunk_size, precision, False),
+                  rocm=_triton(features, q, k, v, gate, chunk_size, precision, False), cpu=cpu,
+                  default=_unavailable("causal_method='pallas' has no fused kernel for this platform (TPU: Mosaic; "
+                                       "CUDA, ROCm: Triton; CPU: interpreted); use causal_method='chunked'"))
+  out = fused_rows.run(programs, fused_rows.xla_redo(_xla(precision), chunk_size), features, q, k, v, gate, mask)
+  return state_lib.divide(*out[:2]) if divide else (tuple(out) if return_scale else tuple(out[:2]))
 
 
 def auto(features, q, k, v, mask, *, chunk_size: int = 64, return_scale: bool = False, divide: bool = False,

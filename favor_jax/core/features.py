@@ -9,6 +9,7 @@ Shape letters: see :mod:`favor_jax.core`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 
 import jax
@@ -29,6 +30,9 @@ class Features:
   fn: Callable  # (q, k) -> (LogFeatures, LogFeatures)
   layout_free: bool = False
   whole_sequence: bool = False
+  params: tuple = ()  # the arrays fn reads (projection, statistic), None where absent
+  rebuild: Callable | None = None  # (*params) -> this record, its fn reading those arrays
+  kernel: object = None  # the resolved kernel (a Kernel record or a callable); None: features used as given
 
 
 def resolve_kernel(kernel, projection, rho, query):
@@ -81,7 +85,8 @@ def of_kernel(kern, projection, rho_NH, causal) -> Features:
       return kern.log_features(q, k, projection, **given)
 
     # A per-head projection [H, M, D] pairs ω with the heads axis, so the rows keep their layout.
-    return Features(fn, layout_free=projection is None or projection.ndim == 2)
+    return Features(fn, layout_free=projection is None or projection.ndim == 2, params=(projection, rho_NH),
+                    rebuild=functools.partial(_rebuilt, kern, causal=causal), kernel=kern)
 
   def fn(q, k):
     # stabilize=True would scale keys by a max over all positions, future ones included.
@@ -89,7 +94,26 @@ def of_kernel(kern, projection, rho_NH, causal) -> Features:
     return (kernels_lib.LogFeatures(None, qf.astype(jnp.float32)),
             kernels_lib.LogFeatures(None, kf.astype(jnp.float32)))
 
-  return Features(fn, whole_sequence=not causal)
+  return Features(fn, whole_sequence=not causal, params=(projection, rho_NH),
+                  rebuild=functools.partial(_rebuilt, kern, causal=causal), kernel=kern)
+
+
+def _rebuilt(kern, projection, rho_NH, *, causal):
+  return of_kernel(kern, projection, rho_NH, causal)
+
+
+def split(features: Features):
+  """(the record without its arrays, its arrays): a custom VJP takes the arrays as arguments (their
+  gradients flow) and rebuilds the record from them with :func:`rebuilt`."""
+  if features.rebuild is None:
+    raise ValueError("these Features cannot be rebuilt from their arrays (made without features.of_kernel "
+                     "or features.as_given)")
+  return dataclasses.replace(features, fn=None, params=()), tuple(features.params)
+
+
+def rebuilt(static: Features, params) -> Features:
+  """The record :func:`split` took apart, its fn reading ``params``."""
+  return static.rebuild(*params)
 
 
 def as_given() -> Features:
@@ -98,7 +122,7 @@ def as_given() -> Features:
     as_is = lambda x: kernels_lib.LogFeatures(None, x.astype(jnp.float32))
     return as_is(qf), as_is(kf)
 
-  return Features(fn, layout_free=True)
+  return Features(fn, layout_free=True, rebuild=as_given)
 
 
 def for_call(kernel, projection, rho, query, key, key_mask, causal, blocked=False, query_mask=None) -> Features:

@@ -242,8 +242,8 @@ def _hedgehog(query: Float[Array, "... Lq H D"], key: Float[Array, "... Lk H D"]
   return feats(query), feats(key)
 
 
-positive = Kernel("positive", _positive, lambda m, d: m, estimates_softmax=True)
-hyperbolic = Kernel("hyperbolic", _hyperbolic, lambda m, d: 2 * m, estimates_softmax=True)
+positive = Kernel("positive", _positive, lambda m, d: m, estimates_softmax=True, fused_map="positive")
+hyperbolic = Kernel("hyperbolic", _hyperbolic, lambda m, d: 2 * m, estimates_softmax=True, fused_map="hyperbolic")
 trigonometric = Kernel("trigonometric", _trigonometric, lambda m, d: 2 * m, estimates_softmax=True,
                        positive_weights=False)
 optimal_positive = Kernel("optimal_positive", _optimal_positive, lambda m, d: m, estimates_softmax=True,

@@ -62,6 +62,10 @@ class Kernel:
     statistic: keyword of the data statistic the features take (``"rho"``), or None.
     compute_statistic: ``(query, key, key_mask, query_mask) -> statistic`` over the whole sequence
       (masked, non-finite rows left out), or None; causal callers must pass the statistic instead.
+    fused_map: the features as the fused TPU programs compute them on chip from q, k and the projection
+      (``"positive"``: log φ = ω·x − ‖x‖²/2 − log √M; ``"hyperbolic"``: the same for [ω; −ω], − log √(2M);
+      x = q·d^{-1/4}), or None: the programs read the features ``log_features`` gives (computed by XLA).
+      Set it only where ``log_features`` is exactly that formula; a record of your own keeps None.
   """
   name: str
   log_features: Callable
@@ -77,6 +81,7 @@ class Kernel:
   # cancels (terms far larger than the sum): (query, key, projection) -> log φ(q_i)ᵀφ(k_j) [..., H, Lq, Lk],
   # which ``attention_weights`` takes instead of the sum (None: the sum, in log domain).
   log_pairs: Callable | None = None
+  fused_map: str | None = None
 
   @property
   def data_dependent(self) -> bool:

@@ -1,7 +1,7 @@
 """Causal FAVOR as fused Pallas kernels (Triton on GPU; Pallas's interpreter elsewhere): ``causal_method="pallas"``.
 
 The same estimator as :func:`favor_jax.core.causal_xla.chunked`, computed by four kernels over chunks of C
-rows (their bodies: :mod:`favor_jax.core.fused_kernels`), with the features in log domain (φ = exp(log)) and
+rows (their bodies: :mod:`favor_jax.core.fused.gpu_bodies`), with the features in log domain (φ = exp(log)) and
 every stabiliser taken from keys a row may see:
 
 - ``states_kernel`` (one program per (sequence·head, feature block), chunks in order): the state before
@@ -42,12 +42,15 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from favor_jax.core import fused_kernels as kern
+from favor_jax.core import features as features_lib
 from favor_jax.core import inputs
 from favor_jax.core.features import exponential_features, head_major
-from favor_jax.core.fused_kernels import NEG_INF, Blocks
+from favor_jax.core.fused import gpu_bodies as kern
+from favor_jax.core.fused import rows as fused_rows
+from favor_jax.core.fused.gpu_bodies import NEG_INF, Blocks
+from favor_jax.core.fused.rows import lost_rows
 from favor_jax.core.gates import to_end
-from favor_jax.core.state import SAFE_GAP, parts
+from favor_jax.core.state import parts
 
 __all__ = ["Blocks", "GPU_DEFAULTS", "blocks_for", "causal", "lost_rows", "pallas_block"]
 
@@ -129,72 +132,96 @@ def _forward(lq, lk, v, gate_rows, blocks):
   return (num, den, m), (mu, s, z)
 
 
-@jax.custom_jvp
-def _first_order_only(x):
-  """x; differentiating it (the backward pass's inputs, under a second derivative) raises a clear error
-  instead of Pallas's own, which names none of the caller's arguments."""
-  return x
+class _Rows:
+  """A call's rows for the Triton kernels: [N, L, H(, W)] -> [N·H, padded(, width)] (features and values
+  padded to powers of two), the log features, the values, the gates, which rows see a key, and back."""
+
+  def __init__(self, features, q, v, mask, gate, blocks):
+    n, length, h = q.shape[:3]
+    f = jax.eval_shape(lambda: head_major(features, q, q)[0].log).shape[-1]
+    self.n, self.length, self.h, self.features, self.mask = n, length, h, features, mask
+    self.padded, self.fp, self.ep = -(-length // blocks.chunk) * blocks.chunk, _pow2(f), _pow2(v.shape[-1])
+    flags = jnp.broadcast_to(mask[:, :, None], (n, length, h))
+    resets = jnp.zeros((n, length, h), bool) if gate is None else jnp.isneginf(gate)
+    self.seen = self.of(inputs._seen_causal(flags, resets), False)  # a key no reset cut off
+    self.gate = None if gate is None else self.gate_rows(gate)
+
+  def of(self, x, value, width=None):  # [N, L, H(, W)] -> [N·H, padded(, width)]
+    x = jnp.swapaxes(x, 1, 2).reshape((self.n * self.h, self.length) + x.shape[3:])
+    widths = ((0, 0), (0, self.padded - self.length)) + (((0, width - x.shape[-1]),) if width else ())
+    return jnp.pad(x, widths, constant_values=value)
+
+  def log_rows(self, q, k):
+    fq, fk = head_major(self.features, q, k)  # [N, H, L, F]
+    log_q, _ = parts(fq)
+    log_k, _ = parts(fk, self.mask[:, None, :, None])
+    to_rows = lambda x: self.of(jnp.swapaxes(x.astype(jnp.float32), 1, 2), NEG_INF, self.fp)
+    return to_rows(log_q), to_rows(log_k)
+
+  def value_rows(self, v):
+    return self.of(v, 0.0, self.ep)
+
+  def gate_rows(self, gate):
+    return self.of(gate.astype(jnp.float32), 0.0)
+
+  def back(self, x):
+    return jnp.swapaxes(x[:, :self.length].reshape((self.n, self.h, self.length) + x.shape[2:]), 1, 2)
 
 
-@_first_order_only.defjvp
-def _first_order_only_jvp(primals, tangents):
-  raise ValueError("causal_method='pallas' has first derivatives only (its backward kernels are not "
-                   "differentiable); for second derivatives (grad of grad, hessian) use causal_method='chunked'")
+def program(blocks: Blocks) -> fused_rows.Program:
+  """The Triton kernels as a :class:`~favor_jax.core.fused.rows.Program`: the prefix states and the outputs
+  (forward); the features and the prefix states recomputed, the suffix states and the gradients (backward).
+  Kept between them: the inputs and the row scales (not the features, F/D·4/itemsize times the inputs, nor
+  the chunk states, F·E floats per chunk and row)."""
+  def forward(features, q, k, v, gate, mask):
+    rows = _Rows(features, q, v, mask, gate, blocks)
+    gate_rows = None if rows.gate is None else _gate_rows(rows.gate, blocks.chunk)
+    (num, den, m), _ = _forward(*rows.log_rows(q, k), rows.value_rows(v), gate_rows, blocks)
+    return (rows.back(num[..., :v.shape[-1]]), rows.back(den),
+            rows.back(jnp.where(rows.seen, jax.lax.stop_gradient(m), NEG_INF)))
+
+  def backward(static, params, q, k, v, gate, mask, scale, dnum, dden):
+    def logs(q, k, *params):
+      return _Rows(features_lib.rebuilt(static, params), q, v, mask, gate, blocks).log_rows(q, k)
+
+    rows = _Rows(features_lib.rebuilt(static, params), q, v, mask, gate, blocks)
+    (lq, lk), features_vjp = jax.vjp(logs, q, k, *params)
+    vv = rows.value_rows(v)
+    gate_rows = None if gate is None else _gate_rows(rows.gate, blocks.chunk)
+    mu, s, z = _prefix_states(lk, vv, gate_rows, blocks)
+    dnum = rows.of(dnum.astype(jnp.float32), 0.0, rows.ep)
+    dden = rows.of(dden.astype(jnp.float32), 0.0)
+    r, length, f = lq.shape
+    e, bf, nc = vv.shape[-1], blocks.block_f, length // blocks.chunk
+    seen = rows.seen
+    ms = jnp.where(seen, kern.safe(rows.of(scale, NEG_INF)), 0.0)
+    mq = jnp.where(seen, ms, jnp.inf)  # rows that see no key have no terms: leave them out of ν
+    seq = _seq_specs(length, e)
+    gated = () if gate_rows is None else gate_rows[1:2]  # b
+    nu, rr, rz = _call(kern.suffix_kernel, (r, f // bf), [seq["feat"](bf), seq["row"], seq["val"], seq["row"]]
+                       + [seq["row"]] * len(gated), _state_specs(nc, bf, e),
+                       _f32((r, nc, f), (r, nc, f, e), (r, nc, f)), blocks, n_chunks=nc)(lq, mq, dnum, dden, *gated)
+    v_in, v = v, vv
+    sp = _chunk_specs(blocks.chunk, f, e)
+    gated = () if gate_rows is None else gate_rows  # g, b, e
+    dlq, dlk, dv, *dg = _call(
+        kern.grads_kernel, (r, nc),
+        [sp["feat"], sp["feat"], sp["val"], sp["row"], sp["val"], sp["row"], sp["vec"], sp["mat"], sp["vec"],
+         sp["vec"], sp["mat"], sp["vec"]] + [sp["row"]] * len(gated),
+        [sp["feat"], sp["feat"], sp["val"]] + [sp["row"]] * (gate is not None),
+        _f32(lq.shape, lk.shape, v.shape, *[(r, length)] * (gate is not None)),
+        blocks)(lq, lk, v, ms, dnum, dden, mu, s, z, nu, rr, rz, *gated)
+    # Masked keys (ℓk = −∞) and padded features get exactly zero gradient already.
+    dq, dk, *dparams = features_vjp((dlq, dlk))
+    dv = fused_rows.transpose(rows.value_rows, v_in, dv.astype(v_in.dtype))
+    dg = fused_rows.transpose(rows.gate_rows, gate, dg[0]) if dg else None
+    return dq, dk, dv, dg, tuple(dparams)
+
+  return fused_rows.Program(forward, backward)
 
 
-def _floating_first_order(x):
-  return _first_order_only(x) if jnp.issubdtype(x.dtype, jnp.inexact) else x
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _fused(log_rows, blocks, q, k, v, seen, gate, mask, *consts):
-  """(numerator [R, L, E], denominator [R, L], row scale m [R, L]) times e^{−m}, the features
-  ``log_rows(q, k, mask, *consts)`` (padded [R, L, F] float32 logs); ``seen`` [R, L] bool; ``gate`` [R, L]
-  log gates or None. Every array the features read is an argument here (the mask too: a constant closed
-  over would be a tracer of the caller's ``jit``, out of scope where the backward is traced)."""
-  return _fused_fwd(log_rows, blocks, q, k, v, seen, gate, mask, *consts)[0]
-
-
-def _fused_fwd(log_rows, blocks, q, k, v, seen, gate, mask, *consts):
-  q, k, v, gate, consts = jax.tree.map(_floating_first_order, (q, k, v, gate, consts))  # 2nd derivative: error
-  gate_rows = None if gate is None else _gate_rows(gate, blocks.chunk)
-  (num, den, m), states = _forward(*log_rows(q, k, mask, *consts), v, gate_rows, blocks)
-  # Kept for the backward: the inputs (not the float32 log features, F/D·4/itemsize times their size:
-  # recomputed there) and one state per chunk.
-  return (num, den, m), (q, k, v, seen, gate, mask, consts, m, states)
-
-
-def _fused_bwd(log_rows, blocks, res, cts):
-  res, cts = jax.tree.map(_floating_first_order, (res, cts))
-  q, k, v, seen, gate, mask, consts, m, (mu, s, z) = res
-  (lq, lk), features_vjp = jax.vjp(log_rows, q, k, mask, *consts)
-  gate_rows = None if gate is None else _gate_rows(gate, blocks.chunk)
-  dnum, dden, _ = cts  # the scale is a constant (as in the XLA pass)
-  r, length, f = lq.shape
-  e, bf, nc = v.shape[-1], blocks.block_f, length // blocks.chunk
-  ms = kern.safe(jax.lax.stop_gradient(m))
-  mq = jnp.where(seen, ms, jnp.inf)  # rows that see no key have no terms: leave them out of ν
-  seq = _seq_specs(length, e)
-  gated = () if gate_rows is None else gate_rows[1:2]  # b
-  nu, rr, rz = _call(kern.suffix_kernel, (r, f // bf), [seq["feat"](bf), seq["row"], seq["val"], seq["row"]]
-                     + [seq["row"]] * len(gated), _state_specs(nc, bf, e), _f32((r, nc, f), (r, nc, f, e), (r, nc, f)),
-                     blocks, n_chunks=nc)(lq, mq, dnum, dden, *gated)
-  sp = _chunk_specs(blocks.chunk, f, e)
-  gated = () if gate_rows is None else gate_rows  # g, b, e
-  dlq, dlk, dv, *dg = _call(
-      kern.grads_kernel, (r, nc),
-      [sp["feat"], sp["feat"], sp["val"], sp["row"], sp["val"], sp["row"], sp["vec"], sp["mat"], sp["vec"],
-       sp["vec"], sp["mat"], sp["vec"]] + [sp["row"]] * len(gated),
-      [sp["feat"], sp["feat"], sp["val"]] + [sp["row"]] * (gate is not None),
-      _f32(lq.shape, lk.shape, v.shape, *[(r, length)] * (gate is not None)),
-      blocks)(lq, lk, v, ms, dnum, dden, mu, s, z, nu, rr, rz, *gated)
-  # Masked keys (ℓk = −∞) and padded features get exactly zero gradient already.
-  dq, dk, _, *dconsts = features_vjp((dlq, dlk))
-  dconsts = [None if d.dtype == jax.dtypes.float0 else d for d in dconsts]  # an integer is a constant
-  return (dq, dk, dv.astype(v.dtype), None, dg[0] if dg else None, None, *dconsts)
-
-
-_fused.defvjp(_fused_fwd, _fused_bwd)
 
 
 # Launch choices on a GPU, the fastest of the block-size sweep (experiments/configs/blocks.py) on an H200 in
@@ -239,6 +266,18 @@ def _precision(precision):
                      f"'highest'), got {precision!r}") from None
 
 
+def call_blocks(blocks: Blocks, q, k, v, gate, precision, features=None) -> Blocks:
+  """``blocks`` completed for one call: the feature block (at most the padded features), the operand dtype
+  (bfloat16 only where every input is bfloat16 and the precision asks no more: a float32 value or key must
+  not be rounded to bfloat16 inside; float16's range is too short, see ``kern.dot``), gates, precision."""
+  precision = _precision(precision)
+  if features is not None:
+    f = jax.eval_shape(lambda: head_major(features, q, k)[0].log).shape[-1]
+    blocks = blocks._replace(block_f=min(blocks.block_f, _pow2(f)))
+  low = jnp.result_type(q, k, v) == jnp.bfloat16 and precision in (None, jax.lax.Precision.DEFAULT)
+  return blocks._replace(operands="bfloat16" if low else "float32", gated=gate is not None, precision=precision)
+
+
 def causal(features, q, k, v, mask, *, chunk_size: int = 64, blocks: Blocks | None = None,
            return_scale: bool = False, fallback=None, gate=None, precision=None):
   """Causal linear attention through the fused kernels: (numerator [N, L, H, Dv], denominator [N, L, H]).
@@ -267,58 +306,9 @@ def causal(features, q, k, v, mask, *, chunk_size: int = 64, blocks: Blocks | No
   n, length, h = q.shape[:3]
   if gate is not None and tuple(gate.shape) != (n, length, h):
     raise ValueError(f"gate must have shape [N, L, H] = {(n, length, h)}, got {tuple(gate.shape)}")
-  f = jax.eval_shape(lambda: head_major(features, q, k)[0].log).shape[-1]
-  dv = v.shape[-1]
-  padded, fp, ep = -(-length // blocks.chunk) * blocks.chunk, _pow2(f), _pow2(dv)
-  bf = min(blocks.block_f, fp)
-  # Bfloat16 operands only where the output is bfloat16 (every input is) and the precision asks no more: a
-  # float32 value or key must not be rounded to bfloat16 inside. Float16's range is too short: see kern.dot.
-  low = jnp.result_type(q, k, v) == jnp.bfloat16 and precision in (None, jax.lax.Precision.DEFAULT)
-  blocks = blocks._replace(block_f=bf, operands="bfloat16" if low else "float32", gated=gate is not None,
-                           precision=precision)
+  blocks = call_blocks(blocks, q, k, v, gate, precision, features)
 
-  def rows(x, value, width=None):  # [N, H, L(, W)] -> [N·H, padded(, width)]
-    x = x.reshape((n * h, length) + x.shape[3:])
-    widths = ((0, 0), (0, padded - length)) + (((0, width - x.shape[-1]),) if width else ())
-    return jnp.pad(x, widths, constant_values=value)
-
-  def log_rows(q, k, mask):
-    fq, fk = head_major(features, q, k)
-    log_q, _ = parts(fq)
-    log_k, _ = parts(fk, mask[:, None, :, None])
-    return rows(log_q.astype(jnp.float32), NEG_INF, fp), rows(log_k.astype(jnp.float32), NEG_INF, fp)
-
-  # The features' own parameters (projection, ρ, a learned map) as explicit arguments of the custom VJP.
-  log_rows, consts = jax.closure_convert(log_rows, q, k, mask)
-  vv = rows(jnp.swapaxes(v, 1, 2), 0.0, ep)
-  head_major_NHL = lambda x: jnp.swapaxes(x, 1, 2)
-  flags = jnp.broadcast_to(mask[:, :, None], (n, length, h))
-  resets = jnp.zeros((n, length, h), bool) if gate is None else jnp.isneginf(gate)
-  seen = rows(head_major_NHL(inputs._seen_causal(flags, resets)), False)  # a key no reset cut off
-  g = None if gate is None else rows(head_major_NHL(gate.astype(jnp.float32)), 0.0)
-  num, den, m = _fused(log_rows, blocks, q, k, vv, seen, g, mask, *consts)
-  back = lambda x: jnp.swapaxes(x[:, :length].reshape((n, h, length) + x.shape[2:]), 1, 2)
-  num, den = back(num[..., :dv]), back(den)
-  scale = back(jnp.where(seen, jax.lax.stop_gradient(m), NEG_INF))
-  # A later key in a row's chunk raised its scale so far that its terms may have left float32's range:
-  # redo the call with the XLA pass, which computes such chunks per token.
-  lost = lost_rows(den, scale)
-  if not fallback:
-    return (num, den, scale) if return_scale else (num, den)
-  out = jax.lax.cond(
-      jnp.any(lost), lambda: fallback(features, q, k, v, mask, chunk_size=blocks.chunk, return_scale=True, gate=gate),
-      lambda: (num, den, scale))
+  # A later key in a row's chunk raised its scale so far that its terms may have left float32's range: redo the
+  # call with the XLA pass, which computes such chunks per token (decided inside one custom VJP: fused.rows.run).
+  out = fused_rows.run(program(blocks), fused_rows.xla_redo(fallback, blocks.chunk), features, q, k, v, gate, mask)
   return out if return_scale else out[:2]
-
-
-def lost_rows(den, scale):
-  """Rows that see a key but whose denominator (≥ their largest term) fell below e^{−SAFE_GAP}.
-
-  Args:
-    den: the denominators [N, L, H] (times e^{−scale}).
-    scale: the rows' log-scales [N, L, H], −∞ where a row sees no key.
-
-  Returns:
-    bool [N, L, H].
-  """
-  return jnp.isfinite(scale) & (den < jnp.exp(-SAFE_GAP))

@@ -1,4 +1,4 @@
-"""The bodies of the fused causal kernels (internal; launched by :mod:`favor_jax.core.fused`, which describes the
+"""The bodies of the fused causal kernels (internal; launched by :mod:`favor_jax.core.fused.gpu`, which describes the
 algorithm). Written with ``jax.numpy`` and Pallas refs only, so Triton compiles them on a GPU and Pallas's
 interpreter runs them anywhere.
 

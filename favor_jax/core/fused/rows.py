@@ -1,0 +1,236 @@
+"""What the fused causal kernels' callers do around them (internal): the inputs as padded head-major rows, which
+rows have a key in reach, the gates' gradient from the features', and the redo of rows that lost their terms.
+
+Shape letters: see :mod:`favor_jax.core`; R = N·H rows of (sequence, head), L padded to whole chunks.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array
+
+from favor_jax.core import features as features_lib
+from favor_jax.core.features import head_major
+from favor_jax.core.state import SAFE_GAP, parts
+
+NEG_INF = -jnp.inf
+
+
+class Rows(NamedTuple):
+  """A call's inputs as rows: ``log_rows(q, k)`` -> log features [R, L, F] (float32, −∞ for masked keys, padded
+  features and positions), ``value_rows(v)`` -> [R, L, Dv], gate [R, L] or
+  None (``gate_rows(gate)`` makes it), seen [R, L] bool (a key in reach: unmasked, at or before the row, no
+  reset in between), ``of(x, fill)`` ([N, L, H(, W)] -> [R, L(, W)], padded with ``fill``) and ``back``
+  ([R, L, ...] -> [N, L, H, ...], the padding cut). Every map here is linear in its array, so a backward
+  transposes it (``jax.linear_transpose``)."""
+  log_rows: Callable
+  value_rows: Callable
+  gate_rows: Callable
+  gate: Array | None
+  seen: Array
+  of: Callable
+  back: Callable
+
+
+def _round_up(n, unit):
+  return -(-n // unit) * unit
+
+
+def _running_max(x):
+  return jax.lax.associative_scan(jnp.maximum, x, axis=x.ndim - 1)
+
+
+def prepare(features, q, k, v, mask, gate, *, chunk: int, lane: int) -> Rows:
+  """The rows of q, k [N, L, H, D], v [N, L, H, Dv], mask [N, L], gate [N, L, H] (or None): L padded to a
+  multiple of ``chunk``, features to a multiple of ``lane`` (values unpadded: a block as wide as its array)."""
+  n, length, h = q.shape[:3]
+  f = jax.eval_shape(lambda: head_major(features, q, k)[0].log).shape[-1]
+  padded, fp = _round_up(length, chunk), _round_up(f, lane)
+
+  def rows(x, value, width=None):  # [N, H, L, W] or [N, H, L] -> [N·H, padded(, width)]
+    x = x.reshape((n * h,) + x.shape[2:])
+    pad = [(0, 0), (0, padded - length)] + ([] if width is None else [(0, width - x.shape[-1])])
+    return jnp.pad(x, pad, constant_values=value)
+
+  def log_rows(q, k):
+    fq, fk = head_major(features, q, k)
+    log_q, _ = parts(fq)
+    log_k, _ = parts(fk, mask[:, None, :, None])
+    return rows(log_q.astype(jnp.float32), NEG_INF, fp), rows(log_k.astype(jnp.float32), NEG_INF, fp)
+
+  def value_rows(v):  # [N, L, H, Dv] -> [R, L, Dv] (the denominator has a state of its own: no column of ones)
+    return rows(jnp.swapaxes(v, 1, 2), 0.0, v.shape[-1])
+
+  gate_rows = lambda gate: rows(jnp.swapaxes(gate.astype(jnp.float32), 1, 2), 0.0)  # [N, L, H] -> [R, L]
+  of = lambda x, fill: rows(jnp.swapaxes(x, 1, 2), fill, None if x.ndim == 3 else x.shape[-1])
+  position = jnp.arange(length)
+  last_key = _running_max(jnp.where(mask, position, -1))[:, None, :]  # [N, 1, L]
+  g = None
+  if gate is None:
+    seen = jnp.broadcast_to(last_key >= 0, (n, h, length))
+  else:
+    last_reset = _running_max(jnp.where(jnp.swapaxes(gate, 1, 2) == NEG_INF, position, -1))
+    seen = (last_key >= 0) & (last_key >= last_reset)
+    g = gate_rows(gate)
+  seen = rows(seen, False)
+  back = lambda x: jnp.swapaxes(x[:, :length].reshape((n, h, length) + x.shape[2:]), 1, 2)
+  return Rows(log_rows, value_rows, gate_rows, g, seen, of, back)
+
+
+def transpose(fn, x, ct):
+  """The cotangent of x under the linear map ``fn`` (a :class:`Rows` map) given ``ct`` of its result."""
+  return jax.linear_transpose(fn, jax.ShapeDtypeStruct(x.shape, x.dtype))(ct)[0]
+
+
+@jax.custom_jvp
+def _first_order_only(x):
+  """x; differentiating it (the backward pass's inputs, under a second derivative) raises a clear error
+  instead of Pallas's own, which names none of the caller's arguments."""
+  return x
+
+
+@_first_order_only.defjvp
+def _first_order_only_jvp(primals, tangents):
+  raise ValueError("causal_method='pallas' has first derivatives only (its backward kernels are not "
+                   "differentiable); for second derivatives (grad of grad, hessian) use causal_method='chunked'")
+
+
+def _floating_first_order(x):
+  return _first_order_only(x) if jnp.issubdtype(x.dtype, jnp.inexact) else x
+
+
+first_order_only = _floating_first_order
+
+
+def lost_rows(den, scale):
+  """Rows that see a key but whose denominator (≥ their largest term) fell below e^{−SAFE_GAP}.
+
+  Args:
+    den: the denominators [N, L, H] (times e^{−scale}).
+    scale: the rows' log-scales [N, L, H], −∞ where a row sees no key.
+
+  Returns:
+    bool [N, L, H].
+  """
+  return jnp.isfinite(scale) & (den < jnp.exp(-SAFE_GAP))
+
+
+def gate_grad(x, g):
+  """∂g [R, L] from x_t = Σ_f (∂ℓq_tf − ∂ℓk_tf) [R, L]: ∂g_l = Σ_{t≥l} x_t, summed up to the next reset
+  only (the pairs across it have weight 0: fewer terms, no cancellation), 0 at a reset (−∞ gate)."""
+  reset = g == NEG_INF
+  # In reverse order a reset ends its segment: a segment starts right after one.
+  xr, start = x[:, ::-1], jnp.concatenate([jnp.zeros_like(reset[:, :1]), reset[:, ::-1][:, :-1]], axis=1)
+
+  def op(a, b):
+    (xa, sa), (xb, sb) = a, b
+    return jnp.where(sb, xb, xa + xb), sa | sb
+
+  summed, _ = jax.lax.associative_scan(op, (xr, start), axis=1)
+  return jnp.where(reset, 0.0, summed[:, ::-1])
+
+
+class Program(NamedTuple):
+  """One target's fused pass: ``forward(features, q, k, v, gate, mask) -> (num, den, scale)`` (scale [N, L, H]
+  the rows' log-scales, −∞ where a row sees no key: the only statistic kept for the backward) and
+  ``backward(features, params, q, k, v, gate, mask, scale, dnum, dden) -> (dq, dk, dv, dgate, dparams)``
+  (``features`` without its arrays, rebuilt from ``params`` there: :func:`favor_jax.core.features.rebuilt`;
+  ``dparams`` as ``params``, None where one is None)."""
+  forward: Callable
+  backward: Callable
+
+
+def run(programs, redo, features, q, k, v, gate, mask):
+  """(num, den, scale) by ``programs`` (a :class:`Program`, or a dict of them by ``jax.lax.platform_dependent``'s
+  keywords: the target chosen where the program is lowered), or by ``redo`` (``redo(features, q, k, v, gate,
+  mask)``, the XLA pass; None: never, tests only) where a row lost its terms (:func:`lost_rows`).
+
+  One custom VJP around all of it: the forward takes the target's forward and one ``cond`` whose branches
+  return outputs only (the redo's primal), the backward the target's backward or, where the forward redid
+  the call, the redo differentiated (its forward recomputed there). The residuals are the inputs, the
+  features' arrays, the row scales [N, L, H] and one flag: no residual of a branch not taken (neither of
+  another target nor of the redo) is kept or zero-filled, and no zero cotangent is added.
+  """
+  static, params = features_lib.split(features)
+  return _run(programs, redo, static, q, k, v, gate, mask, *params)
+
+
+def _forward(programs, redo, static, q, k, v, gate, mask, params):
+  features = features_lib.rebuilt(static, params)
+  if isinstance(programs, Program):
+    out = tuple(programs.forward(features, q, k, v, gate, mask))
+  else:
+    out = _platform_forward(programs, static, q, k, v, gate, mask, params)
+  if redo is None:
+    return out, out[2], jnp.zeros((), bool)
+  lost = jnp.any(lost_rows(out[1], out[2]))
+  final = jax.lax.cond(lost, lambda: tuple(redo(features, q, k, v, gate, mask)), lambda: out)
+  return final, out[2], lost
+
+
+def _platform_forward(programs, static, q, k, v, gate, mask, params):
+  def branch(prog):
+    return lambda q, k, v, gate, mask, params: tuple(
+        prog.forward(features_lib.rebuilt(static, params), q, k, v, gate, mask))
+  return jax.lax.platform_dependent(q, k, v, gate, mask, params,
+                                    **{p: branch(prog) for p, prog in programs.items()})
+
+
+def _platform_backward(programs, static, *args):
+  if isinstance(programs, Program):
+    return programs.backward(static, *args)
+  return jax.lax.platform_dependent(*args, **{p: functools.partial(prog.backward, static)
+                                               for p, prog in programs.items()})
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _run(programs, redo, static, q, k, v, gate, mask, *params):
+  return _forward(programs, redo, static, q, k, v, gate, mask, params)[0]
+
+
+def _run_fwd(programs, redo, static, q, k, v, gate, mask, *params):
+  q, k, v, gate, params = jax.tree.map(first_order_only, (q, k, v, gate, params))  # 2nd derivative: error
+  out, scale, lost = _forward(programs, redo, static, q, k, v, gate, mask, params)
+  return out, (q, k, v, gate, mask, params, scale, lost)
+
+
+def _run_bwd(programs, redo, static, res, cts):
+  res, cts = jax.tree.map(first_order_only, (res, cts))
+  q, k, v, gate, mask, params, scale, lost = res
+  dnum, dden, _ = cts  # the scale is a constant (as in the XLA pass)
+
+  def fused():
+    return tuple(_platform_backward(programs, static, params, q, k, v, gate, mask, scale, dnum, dden))
+
+  def again():
+    def call(q, k, v, gate, *params):
+      return tuple(redo(features_lib.rebuilt(static, params), q, k, v, gate, mask))[:2]
+    _, vjp = jax.vjp(call, q, k, v, gate, *params)
+    dq, dk, dv, dg, *dparams = vjp((dnum, dden))
+    return dq, dk, dv, dg, tuple(dparams)
+
+  if redo is None:
+    dq, dk, dv, dg, dparams = fused()
+  else:
+    dq, dk, dv, dg, dparams = jax.lax.cond(lost, again, fused)
+  return (dq, dk, dv, dg, None, *dparams)
+
+
+_run.defvjp(_run_fwd, _run_bwd)
+
+
+def xla_redo(fallback, chunk: int):
+  """``fallback(features, q, k, v, mask, chunk_size=chunk, return_scale=True[, gate=gate])`` as :func:`run`
+  calls it: (features, q, k, v, gate, mask) -> (num, den, scale); None where ``fallback`` is None or False."""
+  if not fallback:
+    return None
+
+  def redo(features, q, k, v, gate, mask):
+    given = {} if gate is None else {"gate": gate}
+    return tuple(fallback(features, q, k, v, mask, chunk_size=chunk, return_scale=True, **given))
+  return redo
