@@ -85,7 +85,11 @@ def parts(f, keep=None):
     size = size / jnp.where(some, peak, 1.0)
     bound = jnp.where(size < math.exp(-SMALL_GAP), jnp.maximum(size, math.exp(-ZERO_GAP)), 1.0)
     log = jnp.where(some, log + jnp.log(bound), NEG_INF)  # [..., F]; a row all 0 weighs nothing
-    mult = mult / bound
+    # A select, not a bare division: features normalised twice (an offset, then a state's parts) would otherwise
+    # reach XLA as (m / b₁) / b₂, which its simplifier folds into m / (b₁·b₂), and two floors e^-ZERO_GAP
+    # multiply to 0 in float32: 0 / 0 for every zero feature (ReLU's decode with a window was NaN from its
+    # first token, jitted only). Through the select each division stands alone, as eagerly.
+    mult = jnp.where(bound < 1.0, mult / bound, mult)
   if keep is not None:
     log = jnp.where(keep, log, NEG_INF)
   return log, mult

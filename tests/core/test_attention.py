@@ -556,6 +556,28 @@ def test_decode_steps_equal_causal_forward(name, maybe_jit):
   np.testing.assert_allclose(jnp.concatenate(outs, axis=1), full, rtol=1e-5, atol=1e-5)
 
 
+# relu first: the case that was NaN from its first token, jitted only (state.parts' floor divided twice).
+WINDOW_DECODE = ["relu", *[n for n in sorted(kernels.KERNELS) if n != "relu"]]
+
+
+@pytest.mark.slow(default_tier_covers=())
+@pytest.mark.parametrize("name", WINDOW_DECODE)
+def test_jitted_decode_with_a_window_equals_the_causal_hybrid(name):
+  q, k, v = _qkv(length=11)
+  proj = _proj(name=name)
+  extra = _extra(name, True)
+  mask = jnp.ones((B, 11), bool).at[:, 4].set(False)
+  full = core.hybrid_attention(q, k, v, proj, kernel=name, causal=True, window=3, key_mask=mask, **extra)
+  step = jax.jit(lambda s, a, b, c, m: core.favor_decode_step(s, a, b, c, proj, kernel=name, key_mask=m, window=3,
+                                                              **extra))
+  state = core.favor_decode_init(q[:, :1], v[:, :1], proj, kernel=name, window=3)
+  outs = []
+  for t in range(11):
+    state, out = step(state, q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], mask[:, t:t + 1])
+    outs.append(out)
+  np.testing.assert_allclose(jnp.concatenate(outs, axis=1), full, rtol=1e-5, atol=1e-5)
+
+
 def test_decode_prompt_then_tokens_equals_causal_forward():
   # A prompt longer than one chunk fills the state in one call, then tokens one at a time.
   q, k, v = _qkv(length=23)
