@@ -49,6 +49,7 @@ def _grad(fn):
   return jax.grad(lambda q, k, v: jnp.sum(fn(q, k, v)), argnums=(0, 1, 2))
 
 
+@pytest.mark.slow(default_tier_covers=())
 @pytest.mark.parametrize("what", ["plain", "gated", "packed"])
 def test_pallas_exported_for_tpu_holds_the_mosaic_kernels_forward_and_gradient(what):
   """The gradient's program holds the three Mosaic kernels (forward, ∂ℓq, ∂ℓk/∂v), none of Triton's; the plain

@@ -59,6 +59,7 @@ def _extra(name, causal):
 
 # --- exactness given features -------------------------------------------------------------
 
+@pytest.mark.slow(default_tier_covers=())
 @pytest.mark.parametrize("causal,method", [(False, "chunked")] + [(True, m) for m in METHODS])
 def test_linear_attention_equals_explicit_quadratic_form(causal, method, maybe_jit):
   q, k, v = _qkv()
@@ -71,7 +72,7 @@ def test_linear_attention_equals_explicit_quadratic_form(causal, method, maybe_j
   np.testing.assert_allclose(out, _explicit(qf, kf, v, causal, mask), rtol=2e-5, atol=2e-5)
 
 
-@pytest.mark.slow(default_tier_covers=("name", "causal", "maybe_jit"))
+@pytest.mark.slow(default_tier_covers=())
 @pytest.mark.parametrize("name", ALL_KERNELS)
 @pytest.mark.parametrize("causal", [False, True])
 def test_favor_equals_linear_attention_on_raw_features(name, causal, maybe_jit):
@@ -97,6 +98,7 @@ def test_chunked_with_several_scan_blocks_matches_cumsum():
   np.testing.assert_allclose(outs[0], outs[1], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow(default_tier_covers=())
 @pytest.mark.parametrize("name", ["positive", "trigonometric", "optimal_positive", "relu"])
 def test_bidirectional_blocks_equal_one_block(name, monkeypatch):
   # Keys folded block by block (rescaled as the per-feature max grows) and queries read block by
@@ -166,6 +168,7 @@ def test_forward_mode_runs_through_scan_and_cumsum_and_is_refused_by_the_custom_
 
 # --- causality ----------------------------------------------------------------------------
 
+@pytest.mark.slow(default_tier_covers=())
 @pytest.mark.parametrize("name", ALL_KERNELS)
 @pytest.mark.parametrize("method", METHODS)
 def test_future_tokens_do_not_change_the_past(name, method):
@@ -183,6 +186,7 @@ def test_future_tokens_do_not_change_the_past(name, method):
   np.testing.assert_allclose(moved[:, : t + 1], base[:, : t + 1], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow(default_tier_covers=())
 @pytest.mark.parametrize("name", ["positive", "trigonometric", "optimal_positive"])
 def test_gradient_of_past_wrt_future_is_exactly_zero(name):
   q, k, v = _qkv()
@@ -212,6 +216,7 @@ def test_causal_output_matches_bidirectional_on_prefixes():
 
 # --- masks ---------------------------------------------------------------------------------
 
+@pytest.mark.slow(default_tier_covers=())
 @pytest.mark.parametrize("name", ALL_KERNELS)
 def test_key_mask_equals_truncated_sequence(name, maybe_jit):
   q, k, v = _qkv()
@@ -226,7 +231,7 @@ def test_key_mask_equals_truncated_sequence(name, maybe_jit):
   np.testing.assert_allclose(masked, truncated, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.slow(default_tier_covers=("name", "dtype"))
+@pytest.mark.slow(default_tier_covers=())
 @pytest.mark.parametrize("scale, dtype", [(1.0, jnp.float32), (20.0, jnp.float32), (20.0, jnp.bfloat16)])
 @pytest.mark.parametrize("name", kernels.data_dependent_names())
 def test_padding_reaches_no_real_row_of_a_data_dependent_kernel(name, scale, dtype):
@@ -341,6 +346,7 @@ def test_softmax_attention_matches_jax_reference(causal, maybe_jit):
   np.testing.assert_allclose(ours, ref, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow(default_tier_covers=())
 @pytest.mark.parametrize("causal", [False, True])
 def test_favor_approaches_softmax_as_features_grow(causal):
   q, k, v = _qkv()
@@ -386,7 +392,7 @@ def test_vmap_over_projections_and_batch_dims():
   np.testing.assert_allclose(outs[0].reshape(6, L, H, D), flat, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.slow(default_tier_covers=("name", "causal"))
+@pytest.mark.slow(default_tier_covers=())
 @pytest.mark.parametrize("name", ALL_KERNELS)
 @pytest.mark.parametrize("causal", [False, True])
 def test_every_kernel_gradients_equal_those_of_the_explicit_form(name, causal):
@@ -539,6 +545,7 @@ def test_bad_inputs_raise_clear_errors():
 
 # --- decoding ------------------------------------------------------------------------------------
 
+@pytest.mark.slow(default_tier_covers=())
 @pytest.mark.parametrize("name", ["positive", "trigonometric", "optimal_positive", "relu"])
 def test_decode_steps_equal_causal_forward(name, maybe_jit):
   q, k, v = _qkv(length=19)
@@ -592,7 +599,7 @@ def test_decode_prompt_then_tokens_equals_causal_forward():
   np.testing.assert_allclose(jnp.concatenate(outs, axis=1), full, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.slow(default_tier_covers=("batch", "window"))
+@pytest.mark.slow(default_tier_covers=())
 @pytest.mark.parametrize("batch", [(), (2, 3)], ids=["unbatched", "batch_2x3"])
 @pytest.mark.parametrize("window", [0, 3])
 def test_decode_state_keeps_the_batch_shape(batch, window):

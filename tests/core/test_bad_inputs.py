@@ -157,6 +157,7 @@ def test_causal_that_is_not_a_bool_is_refused(which, causal):
     CAUSAL_CALLS[which](q, k, v, causal)
 
 
+@pytest.mark.slow(default_tier_covers=())
 @pytest.mark.parametrize("which", sorted(CAUSAL_CALLS))
 def test_a_numpy_bool_causal_is_a_bool(which):
   q, k, v = _qkv()

@@ -97,6 +97,7 @@ def test_taylor_features_give_the_second_order_taylor_polynomial_exactly(with_pr
   np.testing.assert_allclose(np.einsum("bthf,bjhf->bhtj", fq, fk), want, rtol=1e-5, atol=2e-6 * want.max())
 
 
+@pytest.mark.slow(default_tier_covers=())
 @pytest.mark.parametrize("scale", [1.0, 20.0])
 def test_taylor_weights_are_positive_so_outputs_are_convex_combinations(scale):
   q, k, v = _qkv()
@@ -127,6 +128,7 @@ def test_hedgehog_features_are_the_two_softmaxes_of_the_learned_map():
 
 # --- per-head projections ---------------------------------------------------------------------------
 
+@pytest.mark.slow(default_tier_covers=())
 @pytest.mark.parametrize("name", ["positive", "optimal_positive", "hedgehog", "taylor"])
 def test_per_head_projections_equal_each_head_alone(name):
   q, k, v = _qkv()
@@ -182,6 +184,7 @@ def test_hybrid_limits_are_softmax_and_favor():
         jax.jit(functools.partial(core.favor_attention, causal=causal))(q, k, v, proj, key_mask=mask), atol=1e-6)
 
 
+@pytest.mark.slow(default_tier_covers=())
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("name", ["positive", "optimal_positive", "taylor"])
 def test_hybrid_equals_the_explicit_form_at_every_scale(name, dtype):

@@ -47,6 +47,7 @@ def _attend(name, causal):
   return jax.jit(lambda q, k, v, w, rho: core.favor_attention(q, k, v, w, kernel=name, causal=causal, rho=rho))
 
 
+@pytest.mark.slow(default_tier_covers=())
 @pytest.mark.parametrize("d", [8, 16])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("name", NAMES)
@@ -81,6 +82,7 @@ def test_beyond_the_range_a_row_is_nan_where_seen_never_a_zero_row(name, causal,
       np.testing.assert_allclose(got[~nan_rows], other[~nan_rows], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow(default_tier_covers=())
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("name", NAMES)
 def test_inside_the_range_outputs_and_log_weights_match_float64(name, causal):

@@ -78,6 +78,7 @@ def _takes_fused(name) -> bool:
 FUSED = tuple(name for name in sorted(kernels.KERNELS) if _takes_fused(name))
 
 
+@pytest.mark.slow(default_tier_covers=())
 @pytest.mark.parametrize("name", FUSED)
 def test_fused_kernels_equal_the_explicit_form_and_the_scan_gradients(name):
   q, k, v, mask = _inputs()
@@ -101,6 +102,7 @@ def test_fused_kernels_equal_the_explicit_form_and_the_scan_gradients(name):
     np.testing.assert_allclose(got, ref, atol=2e-5 * np.max(np.abs(ref)), err_msg=what)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["positive", "elu_plus_one"])
 def test_a_single_feature_is_taken_and_exact(name):
   """One feature (FAVOR+ with a one-row projection; ELU+1 with D = 1): its log has width 1, as a per-row
@@ -145,6 +147,7 @@ def test_large_inputs_are_redone_exactly_never_zero_rows():
   assert np.any(fused.lost_rows(den, scale)), "×20 must exercise the detection"
 
 
+@pytest.mark.slow
 def test_a_huge_future_key_changes_no_earlier_row_and_gets_no_gradient_from_it():
   t = 29  # inside the second chunk
   q, k, v, mask = _inputs(length=48)
@@ -161,6 +164,7 @@ def test_a_huge_future_key_changes_no_earlier_row_and_gets_no_gradient_from_it()
   assert np.all(np.asarray(grad_k)[:, t:] == 0.0) and np.any(np.asarray(grad_k)[:, :t] != 0.0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype, tol", [(jnp.bfloat16, 2e-2), (jnp.float16, 4e-3)])
 @pytest.mark.parametrize("scale", [1.0, 3.0, 20.0])
 def test_half_precision_inputs_stay_within_their_rounding_of_the_explicit_form(dtype, tol, scale):
@@ -190,6 +194,7 @@ def test_mixed_dtypes_keep_the_float32_inputs_exact():
   assert np.max(np.abs(np.asarray(got, np.float64) - want)) < 1e-5 * np.max(np.abs(want))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["positive", "hedgehog"])
 def test_gradients_at_x4_and_x20_in_float32_and_bfloat16_match_the_scan(name):
   """Gradients of q, k, v and the feature parameters where the fused pass keeps its chunk (×4) and where it
@@ -225,6 +230,7 @@ def test_unsupported_feature_maps_and_chunks_are_refused():
                          chunk_size=24)
 
 
+@pytest.mark.slow
 def test_the_backward_keeps_the_inputs_and_chunk_states_not_the_features():
   """What ``grad`` holds between the forward and the backward pass (the leaves of ``jax.vjp``'s function):
   no array as large as half of one side's log features [N, H, L, F] (float32; the old code kept both
@@ -240,6 +246,7 @@ def test_the_backward_keeps_the_inputs_and_chunk_states_not_the_features():
   assert max(x.size for x in kept) < one_side // 2, sorted((x.shape for x in kept), key=np.prod)[-3:]
 
 
+@pytest.mark.slow
 def test_second_derivatives_are_refused_by_name_and_first_ones_still_run():
   q, k, v, mask = _inputs(length=20)
   proj, _ = _params("positive", q, k, mask)
@@ -254,6 +261,7 @@ def test_second_derivatives_are_refused_by_name_and_first_ones_still_run():
       jax.jit(second).trace(at)  # refused while tracing, before anything runs
 
 
+@pytest.mark.slow
 def test_forward_and_backward_lower_to_triton_for_a_gpu():
   """What a GPU compiles: Pallas lowers every kernel to Triton here too (unsupported operations fail now),
   plain and gated (the gate's running sums inside a chunk are a Triton scan), at each precision."""
@@ -327,6 +335,7 @@ def _gated(fallback):
   return jax.jit(run)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 def test_gated_and_packed_calls_equal_the_explicit_gated_form(dtype):
   """Outputs at ×1/×7/×20 against the float64 gated quadratic form (tests/core/test_gates.py's, on the same
@@ -358,6 +367,7 @@ def test_gated_and_packed_calls_equal_the_explicit_gated_form(dtype):
       assert np.all(np.isneginf(np.asarray(row_scale))[empty] | np.asarray(~mask)[:, :, None].repeat(H, 2)[empty])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 def test_gated_gradients_including_the_gates_equal_the_explicit_forms(dtype):
   """∂q, ∂k, ∂v, ∂projection and ∂log-gate of a gated, packed call through the kernels' own backward (×1 and
@@ -425,6 +435,7 @@ def _kernel_dots(jaxpr):
   return found
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("gated", [False, True], ids=["plain", "gated"])
 def test_precision_reaches_every_product_of_the_kernels_forward_and_backward(gated):
   """``precision=HIGHEST``: every product of the four kernels (forward and backward) is asked at HIGHEST with

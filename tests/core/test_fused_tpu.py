@@ -54,6 +54,7 @@ def _reference_grads(name, q, k, v, proj, rho, mask, cot):
   return jax.grad(loss, argnums=(0, 1, 2) + ((3,) if proj is not None else ()))(q, k, v, proj)
 
 
+@pytest.mark.slow(default_tier_covers=())
 @pytest.mark.parametrize("name", FUSED)
 def test_every_exponential_kernel_equals_the_explicit_form_in_tpu_interpret_mode(name):
   """Outputs for every kernel the fused path takes; gradients (the kernels' backward is the same for all of
@@ -108,6 +109,7 @@ def _segments(length):
   return jnp.asarray(ids)
 
 
+@pytest.mark.slow(default_tier_covers=())
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_gates_and_segments_equal_the_explicit_gated_form(dtype):
   """``"pallas"`` with forget gates (exact zeros, 1e-30, 1e-3, ...) and packed segments, ×1/×7/×20: the float64
@@ -128,6 +130,7 @@ def test_gates_and_segments_equal_the_explicit_gated_form(dtype):
     assert not np.any(np.all(got == 0, -1) & ~np.all(want == 0, -1)), f"a silent zero row at ×{scale}"
 
 
+@pytest.mark.slow
 def test_gradients_of_gates_segments_and_inputs_equal_the_explicit_form():
   """Gradients in q, k, v and the log gate (finite gates, one reset, segment boundaries in and on a chunk's
   edge) against those of the explicit gated form in float32."""

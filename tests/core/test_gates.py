@@ -124,7 +124,7 @@ def test_gated_softmax_equals_the_explicit_biased_softmax(dtype):
       assert err <= _tolerance(dtype, scale) * 10 * np.max(np.abs(want)), (scale, err)
 
 
-@pytest.mark.slow(default_tier_covers=("name", "dtype"))
+@pytest.mark.slow(default_tier_covers=())
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("name", sorted(kernels.KERNELS))
 def test_every_causal_method_equals_the_explicit_gated_form(name, dtype):
@@ -347,6 +347,7 @@ def _strong_gate_case(name, length=24):
   return q, k, v, g
 
 
+@pytest.mark.slow(default_tier_covers=())
 @pytest.mark.parametrize("name", ["relu", "trigonometric", "taylor"])
 def test_strong_gates_down_to_the_smallest_normal_keep_every_row(name):
   """Issue 48: features that can be 0 (ReLU, Taylor's coordinates, the sines of trigonometric features) must not

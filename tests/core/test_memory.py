@@ -23,6 +23,7 @@ def _temporaries(length, causal):
   return compiled.memory_analysis().temp_size_in_bytes
 
 
+@pytest.mark.slow(default_tier_covers=())
 @pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
 def test_fwd_bwd_never_keeps_the_features_of_every_token(causal):
   length = 4096

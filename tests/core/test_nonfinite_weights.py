@@ -45,6 +45,7 @@ def _statistic(name, q, k):
 RULE_NAMES = ("softmax", "positive", "taylor", "hedgehog", "elu_plus_one", "saderf")
 
 
+@pytest.mark.slow(default_tier_covers=())
 @pytest.mark.parametrize("name", RULE_NAMES)
 @pytest.mark.parametrize("log", [False, True])
 @pytest.mark.parametrize("causal", [True, False])
@@ -94,6 +95,7 @@ def test_a_masked_non_finite_key_is_absent(log):
 SHAPES = [(2, 37, 37, 2, 16, 32), (1, 48, 48, 2, 8, 16), (1, 13, 29, 1, 4, 8)]
 
 
+@pytest.mark.slow(default_tier_covers=())
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("name", NAMES)
 def test_log_weights_match_float64_to_float32_precision(name, shape):

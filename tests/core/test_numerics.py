@@ -110,6 +110,7 @@ def test_every_causal_method_equals_the_explicit_form_at_every_scale(name, dtype
             assert not np.any(np.all(got == 0, -1) & ~np.all(want == 0, -1)), (scale, method, chunk)
 
 
+@pytest.mark.slow(default_tier_covers=())
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16], ids=["f32", "bf16", "f16"])
 @pytest.mark.parametrize("name", sorted(kernels.KERNELS))
 def test_bidirectional_equals_the_explicit_form_at_every_scale(name, dtype):
@@ -206,6 +207,7 @@ def test_every_kernels_gradients_equal_the_explicit_forms_at_every_scale(name, c
             f"{dtype.__name__} scale {scale} argument {i}: error {err}, largest entry {np.max(np.abs(w))}"
 
 
+@pytest.mark.slow(default_tier_covers=())
 @pytest.mark.parametrize("length,chunk,at,masked,dtype", [(32, 32, 20, False, jnp.float32),
                                                           (32, 32, 20, False, jnp.bfloat16),
                                                           (100, 16, 90, True, jnp.float32)])
@@ -250,6 +252,7 @@ def _with_nan(x, t, value=jnp.nan):
 ALL_CAUSAL = [(True, m) for m in METHODS] + [(False, "chunked")]
 
 
+@pytest.mark.slow(default_tier_covers=())
 @pytest.mark.parametrize("causal,method", ALL_CAUSAL)
 @pytest.mark.parametrize("where", ["query", "key", "value"])
 @pytest.mark.parametrize("value", [jnp.nan, jnp.inf])
@@ -312,6 +315,7 @@ def test_gradients_of_rows_before_a_non_finite_key_are_unaffected():
   assert np.isnan(jnp.sum(core.favor_attention(q, _with_nan(k, 40), v, proj, causal=True)))
 
 
+@pytest.mark.slow
 def test_decode_after_a_non_finite_key_is_nan_and_before_it_is_not():
   q, k, v = _qkv(length=12)
   proj = _proj()
@@ -335,6 +339,7 @@ def test_decode_after_a_non_finite_key_is_nan_and_before_it_is_not():
 
 # --- FAVOR++'s statistic -------------------------------------------------------------------------
 
+@pytest.mark.slow(default_tier_covers=())
 @pytest.mark.parametrize("bad", [-1.0, np.nan, np.inf])
 def test_invalid_rho_raises_eagerly_and_gives_nan_under_jit(bad):
   q, k, v = _qkv(length=20)
@@ -376,6 +381,7 @@ def test_zero_projection_gives_what_the_docstring_says():
   assert np.all(core.favor_attention(q, k, v, zero, kernel="relu") == 0)
 
 
+@pytest.mark.slow
 def test_a_feature_no_key_has_never_sets_a_rows_scale():
   """A Kernel record whose log-features are −∞ for one feature in every key (a pruned feature, the log of an
   exact zero): that feature adds nothing, and must not scale the row's real terms below float32's range.
@@ -410,7 +416,7 @@ def test_a_feature_no_key_has_never_sets_a_rows_scale():
   np.testing.assert_allclose(np.asarray(y[:, 0], np.float64), want_last, rtol=1e-3, atol=1e-4)
 
 
-@pytest.mark.slow(default_tier_covers=("window", "dtype"))
+@pytest.mark.slow(default_tier_covers=())
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("window", [0, 4])
 def test_decoding_equals_the_explicit_form_at_every_scale(window, dtype):

@@ -91,6 +91,7 @@ CALLS = {
 }
 
 
+@pytest.mark.slow(default_tier_covers=())
 @pytest.mark.parametrize("name", sorted(CALLS))
 def test_precision_reaches_every_dot_forward_and_backward(name):
   call = CALLS[name]

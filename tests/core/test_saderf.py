@@ -233,6 +233,7 @@ def test_causal_needs_the_statistic_and_never_looks_ahead(method):
     np.testing.assert_allclose(jnp.concatenate(steps, 1), out, atol=1e-5)
 
 
+@pytest.mark.slow(default_tier_covers=())
 @pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 def test_large_inputs_give_finite_outputs_and_gradients_equal_to_the_explicit_form(dtype, causal):

@@ -56,6 +56,7 @@ def test_packed_favor_equals_each_document_alone_every_kernel(name):
   _assert_packed_equals_alone(fn, q, k, v)
 
 
+@pytest.mark.slow(default_tier_covers=())
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidirectional"])
 def test_packed_hybrid_equals_each_document_alone(causal):
   q, k, v = _qkv()
@@ -64,6 +65,7 @@ def test_packed_hybrid_equals_each_document_alone(causal):
   _assert_packed_equals_alone(fn, q, k, v, _log_gate() if causal else None)
 
 
+@pytest.mark.slow(default_tier_covers=())
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidirectional"])
 @pytest.mark.parametrize("masked", [False, True], ids=["all", "masked"])
 def test_segments_equal_the_explicit_block_diagonal_form(causal, masked):
@@ -81,6 +83,7 @@ def test_segments_equal_the_explicit_block_diagonal_form(causal, masked):
     np.testing.assert_allclose(got, want, atol=2e-4 * np.max(np.abs(want)), rtol=0, err_msg=name)
 
 
+@pytest.mark.slow(default_tier_covers=())
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidirectional"])
 def test_gated_hybrid_equals_the_explicit_form(causal):
   """The exact window gets the same bias: check against the explicit weights e^{bias}·(exact or kernel)."""
@@ -110,6 +113,7 @@ def test_gated_hybrid_equals_the_explicit_form(causal):
   np.testing.assert_allclose(np.einsum("bhtj,bjhd->bthd", weights, v), want, atol=2e-4 * np.max(np.abs(want)))
 
 
+@pytest.mark.slow(default_tier_covers=())
 @pytest.mark.parametrize("window", [0, 4])
 @pytest.mark.parametrize("prompt", [1, 6])
 def test_decode_across_boundaries_with_gates_equals_the_packed_pass(window, prompt):

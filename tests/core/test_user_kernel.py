@@ -52,6 +52,7 @@ def test_the_contract_is_exported_from_core():
   assert {"Kernel", "LogFeatures"} <= set(core.__all__)
 
 
+@pytest.mark.slow(default_tier_covers=())
 @pytest.mark.parametrize("causal", [False, True])
 def test_a_record_of_ones_own_equals_its_explicit_form_in_core_and_decoding(causal):
   q, k, v, w = _inputs()

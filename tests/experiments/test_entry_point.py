@@ -14,6 +14,7 @@ from experiments.configs import tiny as tiny_config
 from experiments.train import training
 
 
+@pytest.mark.slow
 def test_refused_rerun_leaves_config_json_describing_the_results(tmp_path):
   """a rerun refused at resume (changed train.lr) must not relabel the finished results."""
   main.run(tiny_config.get_config(), str(tmp_path))
@@ -87,6 +88,7 @@ def test_variant_field_its_run_does_not_read_stops(fields, named):
     sweep.variant_configs(config)
 
 
+@pytest.mark.slow
 def test_the_shipped_configs_variants_read_every_field_they_set():
   from experiments.configs import listops, mqar, quickstart, shakespeare
   from experiments.train import sweep
@@ -106,6 +108,7 @@ def test_a_second_command_on_a_run_directory_stops(tmp_path):
     pass
 
 
+@pytest.mark.slow
 def test_resume_without_the_metrics_of_the_restored_steps_stops(tmp_path):
   """metrics.jsonl lost, the run resumed and reported best_eval_accuracy over the last steps only."""
   stopped = common.set_fields(tiny_config.get_config(), {"train.stop_after": 4})

@@ -26,6 +26,7 @@ def test_approximation_quick_run_writes_all_outputs(tmp_path):
   assert "The papers' claims" in (tmp_path / "summary.md").read_text()
 
 
+@pytest.mark.slow
 def test_command_line_overrides_and_bad_experiment(tmp_path):
   cmd = [sys.executable, "-m", "experiments.main", "--config=experiments/configs/approximation.py",
          f"--workdir={tmp_path}", "--config.quick=True", "--config.experiment=nonsense"]
@@ -34,6 +35,7 @@ def test_command_line_overrides_and_bad_experiment(tmp_path):
   assert not (tmp_path / "results.json").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("flag,wrong,right", [("train.stepz", "stepz", "steps"), ("trian.steps", "trian", "train")])
 def test_a_misspelled_field_ends_the_command_with_a_suggestion_not_a_traceback(flag, wrong, right, tmp_path):
   cmd = [sys.executable, "-m", "experiments.main", "--config=experiments/configs/tiny.py",
@@ -92,6 +94,7 @@ def _job(**fields):
   return dict(job, **fields)
 
 
+@pytest.mark.slow
 def test_speed_records_an_allocation_failure_and_raises_other_errors(monkeypatch):
   from experiments.studies import speed
 
@@ -159,6 +162,7 @@ def test_peers_quick_run(tmp_path):
   assert {r["library"] for r in records if r["kind"] == "timing"} == {"favor_jax", "performer_pytorch"}
 
 
+@pytest.mark.slow
 def test_showcase_quick_run_writes_one_table_one_figure_and_the_finding(tmp_path):
   import math
 

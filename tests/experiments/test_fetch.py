@@ -180,6 +180,7 @@ def http_index(monkeypatch):
   server.server_close()
 
 
+@pytest.mark.slow
 def test_a_cut_download_leaves_nothing_and_the_next_fetch_completes(tmp_path, monkeypatch, http_index):
   monkeypatch.setenv("PIP_INDEX_URL", http_index)
   sha = fake_archive(tmp_path / "fake.tar.gz")

@@ -96,6 +96,7 @@ def test_packing_and_extrapolation_checks_name_the_field(fields, match):
     training.check_config(quick(**fields))
 
 
+@pytest.mark.slow
 def test_softmax_reads_the_gate_fields_and_a_gate_changes_the_model():
   config = quick(**{"attention.type": "softmax", "attention.forget_gate": True})
   assert "attention.forget_gate" not in training.unused_fields(config)

@@ -50,6 +50,7 @@ def _variables(model, seed=0):
   return {"params": params, "favor": variables.get("favor", {})}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_decoding_gives_the_full_passes_next_token_distributions(case):
   config = _config(CASES[case])
@@ -116,6 +117,7 @@ def test_generate_gives_n_tokens_greedy_as_the_full_pass_for_a_ragged_batch(run_
   assert texts == [generation.decode(t) for t in generation.generate(config, loaded, prompts, 4, seed=3)]
 
 
+@pytest.mark.slow
 def test_generate_refuses_bad_arguments_by_name(run_dir, tmp_path):
   workdir, _, _ = run_dir
   config, loaded, _ = generation.load_run(workdir)
@@ -158,6 +160,7 @@ def test_a_prompt_of_any_bytes_encodes_as_its_bytes():
   assert generation.decode(list(raw)) == raw.decode("utf-8", "replace")
 
 
+@pytest.mark.slow
 def test_generation_skips_a_damaged_newest_checkpoint_as_training_does(run_dir, tmp_path):
   """A newer checkpoint whose manifest is zeroed (orbax: OUT_OF_RANGE) is named and skipped; the one before it
   is loaded, and nothing is moved (generation only reads the run)."""

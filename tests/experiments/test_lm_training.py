@@ -131,6 +131,7 @@ def test_bad_text_input_names_the_field(tmp_path):
 # --- the train step -----------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_four_microbatches_give_the_whole_batch_gradient(tmp_path):
   """SGD with lr 1 moves the parameters by minus the gradient: 4 microbatches' update equals the gradient of the
   whole batch's weighted mean loss, computed directly (the packed batch's weights differ between microbatches,
@@ -160,6 +161,7 @@ def test_four_microbatches_give_the_whole_batch_gradient(tmp_path):
     np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-7)
 
 
+@pytest.mark.slow
 def test_remat_changes_no_gradient(tmp_path):
   (tmp_path / "a.txt").write_bytes(_prose(0, 300))
   config = _tiny(tmp_path)
@@ -175,6 +177,7 @@ def test_remat_changes_no_gradient(tmp_path):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.slow
 def test_bfloat16_trains_within_a_few_percent_of_float32(tmp_path):
   (tmp_path / "a.txt").write_bytes(_prose(0, 2000))
   losses = {}
@@ -191,6 +194,7 @@ def test_bfloat16_trains_within_a_few_percent_of_float32(tmp_path):
   assert abs(losses["bfloat16"][-1] / losses["float32"][-1] - 1) < 0.03, losses
 
 
+@pytest.mark.slow
 def test_bfloat16_computes_in_bfloat16_with_float32_logits(tmp_path):
   (tmp_path / "a.txt").write_bytes(_prose(0, 300))
   config = _tiny(tmp_path, **{"model.dtype": "bfloat16"})
@@ -205,6 +209,7 @@ def test_bfloat16_computes_in_bfloat16_with_float32_logits(tmp_path):
 # --- FLOPs and MFU --------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("attention", ["softmax", "favor"])
 def test_flops_per_token_match_the_compiled_forward_pass(attention):
   """The formula against XLA's own count of the compiled forward pass (matmul-heavy sizes, where elementwise
@@ -293,6 +298,7 @@ def test_lm_base_quick_trains_and_reports_throughput(tmp_path):
   assert math.isfinite(final["eval_loss_at_128"])  # the long-context evaluation
 
 
+@pytest.mark.slow
 def test_lm_base_is_the_size_its_docstring_says():
   config = lm_base.get_config()
   training.check_config(config.copy_and_resolve_references())

@@ -80,6 +80,7 @@ def test_feature_dimension_per_head(config, want):
   assert sweep.features(config) == want
 
 
+@pytest.mark.slow
 def test_qk_head_dim_reaches_the_layers_and_bad_values_stop():
   config = favor("taylor", qk_head_dim=4)
   training.check_config(config)
@@ -173,6 +174,7 @@ def activations_tiny(**fields):
   return common.set_fields(config, fields)
 
 
+@pytest.mark.slow
 def test_captured_qkv_reproduce_the_models_attention_output():
   config = activations_tiny()
   source = activations.model_config(config)
@@ -202,6 +204,7 @@ def test_fitted_rows_stay_within_the_feature_budget():
     assert core.kernels.num_features("taylor", rows + 1, 1) > features
 
 
+@pytest.mark.slow
 def test_measurements_against_exact_attention_and_fitting_lowers_the_loss():
   q, k, v = (jax.random.normal(key, (2, L, H, D)) * 2.0 for key in jax.random.split(jax.random.PRNGKey(0), 3))
   w = core.draw_projection(jax.random.PRNGKey(1), "orthogonal", 16, D)
@@ -256,6 +259,7 @@ def test_tradeoff_reads_a_training_study_and_times_each_run(tmp_path):
     main.run(config, str(tmp_path / "y"))
 
 
+@pytest.mark.slow
 def test_conversion_distils_a_learned_map_before_fine_tuning(tmp_path):
   from experiments.configs import backward_compat as backward_compat_config
   from experiments.studies import backward_compat

@@ -82,6 +82,7 @@ RESULTS = [(args, workdir) for args in COMMANDS + OWN_COMMANDS
            if (workdir := parse(args)[2]).startswith("experiments/results/")]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args,workdir", RESULTS, ids=[workdir for _, workdir in RESULTS])
 def test_committed_results_come_from_their_readme_command(args, workdir):
   config, overrides, _ = parse(args)

@@ -49,6 +49,7 @@ def command_line(config, overrides):
 # --- command-line overrides and variants -----------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_cli_override_that_a_variant_replaces_stops_the_command(tmp_path):
   cmd = [sys.executable, "-m", "experiments.main", "--config=experiments/configs/mqar.py",
          f"--workdir={tmp_path / 'out'}", "--config.attention.num_features=0"]
@@ -203,6 +204,7 @@ def test_damaged_newest_checkpoint_falls_back_to_the_previous_one(how, pattern, 
   assert "resumed from the checkpoint at step 6" in messages and "cannot be restored" not in "".join(messages)
 
 
+@pytest.mark.slow
 def test_no_intact_checkpoint_stops_naming_the_directory(reference, tmp_path):
   ref_dir, _, _, _ = reference
   workdir = str(tmp_path / "run")
@@ -249,6 +251,7 @@ def test_a_stopped_run_writes_no_results_and_a_fresh_start_keeps_no_old_records(
 # --- a run directory resumes only under the config it started with ---------------------------------------
 
 
+@pytest.mark.slow
 def test_resume_under_another_config_stops_naming_each_changed_field(reference, tmp_path):
   """A finished run resumed with another kernel or learning rate would report its numbers as the new
   config's; only when to log, evaluate, checkpoint or stop (and the mesh) may change."""
@@ -347,6 +350,7 @@ def test_optimiser_fields_out_of_range_are_named(fields, message):
     training.check_config(common.set_fields(tiny_config.get_config(), fields))
 
 
+@pytest.mark.slow
 def test_a_non_finite_evaluation_stops_the_run(tmp_path, monkeypatch):
   monkeypatch.setattr(training, "make_eval", lambda *a: (lambda state: {"eval_loss": float("nan")}))
   with pytest.raises(FloatingPointError, match="non-finite eval loss at step 0"):

@@ -36,6 +36,7 @@ def _reference(params, x, forget_gate, alibi):
   return np.einsum("bthd,hde->bte", out, p["out"]["kernel"]) + p["out"]["bias"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("forget_gate, alibi", [pytest.param(True, False, marks=pytest.mark.slow), (True, True),
                                                 pytest.param(False, True, marks=pytest.mark.slow)])
 def test_gated_softmax_decodes_as_the_explicit_reference_and_the_full_pass(forget_gate, alibi):

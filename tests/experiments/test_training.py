@@ -105,6 +105,7 @@ def shakespeare_data(seq_len):
 # --- model -------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("attention", ["softmax", "favor"])
 @pytest.mark.parametrize("positions,short_conv", [("learned", 0), ("rotary", 0), ("rotary", 4)])
 def test_language_model_is_causal(attention, positions, short_conv):
@@ -127,6 +128,7 @@ def test_softmax_and_favor_models_share_the_parameter_tree():
   assert shapes["softmax"] == shapes["favor"]
 
 
+@pytest.mark.slow
 def test_classifier_is_unchanged_by_extra_padding():
   config = tiny(**{"attention.type": "favor"})
   model = models.make_model(config, vocab_size=16, num_classes=10, max_len=32)
@@ -145,6 +147,7 @@ def test_classifier_is_unchanged_by_extra_padding():
 GOLDEN_LOSSES = (4.883197, 4.452366)
 
 
+@pytest.mark.slow
 def test_one_train_step_golden_value():
   config = tiny(**{"attention.type": "favor"})
   task = tasks.make_task(config)
@@ -164,6 +167,7 @@ def test_one_train_step_golden_value():
   np.testing.assert_allclose(losses, GOLDEN_LOSSES, rtol=1e-4)
 
 
+@pytest.mark.slow
 def test_redraw_follows_the_schedule():
   config = tiny(**{"attention.type": "favor", "attention.redraw_every": 2})
   task = tasks.make_task(config)
@@ -179,6 +183,7 @@ def test_redraw_follows_the_schedule():
   assert changed == [True, False, True, False]  # redrawn before steps 1 and 3 (step counter 0 and 2)
 
 
+@pytest.mark.slow
 def test_causal_favor_plus_plus_keeps_a_running_rho():
   config = tiny(**{"attention.type": "favor", "attention.kernel": "optimal_positive"})
   task = tasks.make_task(config)
@@ -229,6 +234,7 @@ def test_softmax_with_redraw_is_rejected_and_bad_variants_are_caught_up_front(tm
     sweep.variant_configs(config)
 
 
+@pytest.mark.slow
 def test_nonfinite_loss_stops_with_the_step(tmp_path):
   config = tiny(**{"train.lr": 1e30, "train.clip_norm": 0.0, "train.log_every": 1})
   with pytest.raises(FloatingPointError, match=r"non-finite loss at step \d+"):
@@ -346,6 +352,7 @@ def test_quick_that_cannot_take_effect_stops(tmp_path, monkeypatch):
   assert not os.listdir(tmp_path)  # stopped before anything was written
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["mqar", "listops", "shakespeare", "quickstart", "backward_compat", "tiny"])
 def test_every_training_config_and_variant_passes_the_checks(name):
   import importlib

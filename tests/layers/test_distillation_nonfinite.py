@@ -32,6 +32,7 @@ def _loss(name, causal, **kw):
   return jax.jit(functools.partial(layers.distillation_loss, kernel=name, causal=causal, **kw))
 
 
+@pytest.mark.slow(default_tier_covers=())
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("name", ["hedgehog", "positive"])
 def test_non_finite_input_gives_nan_loss_exactly_where_the_rule_says(name, causal):
@@ -84,6 +85,7 @@ def _float64_loss(name, q, k, w, causal, statistic=None):
   return -np.mean(np.sum(terms, -1))
 
 
+@pytest.mark.slow(default_tier_covers=())
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("name", ["positive", "hedgehog", "elu_plus_one", "taylor", "optimal_positive", "saderf"])
 def test_loss_equals_the_float64_cross_entropy_at_x1_to_x20(name, causal):

@@ -84,6 +84,7 @@ def _linen_params(params):
 
 
 @needs_gates
+@pytest.mark.slow(default_tier_covers=())
 @pytest.mark.parametrize("kernel,forget_gate,alibi,packed", [
     ("elu_plus_one", True, False, False), ("elu_plus_one", False, True, True), ("positive", True, True, True)])
 def test_linen_gated_layer_is_the_explicit_gated_form(kernel, forget_gate, alibi, packed):
@@ -141,6 +142,7 @@ def _documents_alone(apply, x, segments):
 
 
 @needs_gates
+@pytest.mark.slow(default_tier_covers=())
 @pytest.mark.parametrize("causal,window", [(True, 0), (True, 3), (False, 0)])
 def test_linen_packed_row_is_each_document_alone(causal, window):
   layer = favor_linen.FavorAttention(num_heads=H, qkv_features=H * DH, num_features=16, causal=causal,

@@ -45,6 +45,7 @@ LAYER = dict(num_heads=H, num_kv_heads=KV, num_features=M, causal=True, chunk_si
              forget_gate=True)
 
 
+@pytest.mark.slow(default_tier_covers=())
 @pytest.mark.parametrize("window", [0, 3])
 def test_linen_decode_equals_full_pass_with_rotary_gqa_and_gate(window):
   x = _x()

@@ -118,6 +118,7 @@ def test_redraw_of_frozen_variables_redraws_and_stays_frozen():
   assert isinstance(looped, flax.core.FrozenDict)
 
 
+@pytest.mark.slow(default_tier_covers=())
 @pytest.mark.parametrize("per_head", [False, True])
 def test_redraw_of_layers_stacked_by_nn_scan_draws_each_layer(per_head):
   """``nn.scan`` stacks each variable over the layers ([N, M, D], kinds [N]); the redraw failed on them

@@ -93,7 +93,7 @@ def _nnx_run(kernel, x, **kw):
 RUN = {"linen": _linen_run, "nnx": _nnx_run}
 
 
-@pytest.mark.slow(default_tier_covers=("api", "kernel"))
+@pytest.mark.slow(default_tier_covers=())
 @pytest.mark.parametrize("kernel", sorted(core.KERNELS))
 @pytest.mark.parametrize("api", sorted(RUN))
 def test_every_core_kernel_runs_in_the_layers_as_core_does_with_the_layers_own_params(api, kernel):
@@ -177,6 +177,7 @@ def test_arguments_a_kernel_cannot_use_are_refused_by_name():
 
 # --- qk_transform -------------------------------------------------------------------------------------
 
+@pytest.mark.slow(default_tier_covers=())
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("api", sorted(RUN))
 def test_qk_transform_reaches_the_features_in_both_layers(api, causal):
@@ -400,6 +401,7 @@ def test_linen_decoding_token_by_token_equals_the_causal_layer(case):
   np.testing.assert_allclose(jnp.concatenate(outs, 1), full, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow(default_tier_covers=())
 @pytest.mark.parametrize("case", sorted(NNX_DECODE))
 def test_nnx_decoding_token_by_token_equals_the_causal_layer(case):
   x = _x(length=LENGTH)
@@ -435,6 +437,7 @@ def test_causal_saderf_keeps_a_running_statistic_shaped_by_its_record_and_never_
                              rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.slow(default_tier_covers=())
 @pytest.mark.parametrize("api", sorted(RUN))
 def test_padded_self_attention_of_a_data_dependent_kernel_gives_the_unpadded_rows(api):
   """A bidirectional FAVOR++/FAVOR# layer on a padded batch (junk in the padding, a Flax key-padding mask):
@@ -467,6 +470,7 @@ def test_padded_self_attention_of_a_data_dependent_kernel_gives_the_unpadded_row
   np.testing.assert_allclose(stat, want, rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.slow(default_tier_covers=())
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("scale", [1.0, 20.0])
 @pytest.mark.parametrize("api", sorted(RUN))
@@ -503,6 +507,7 @@ def test_a_batch_element_of_padding_alone_leaves_the_running_statistic_alone(api
     np.testing.assert_array_equal(again, first)
 
 
+@pytest.mark.slow(default_tier_covers=())
 @pytest.mark.parametrize("api", sorted(RUN))
 def test_padded_cross_attention_takes_the_query_padding_as_query_mask(api):
   """Cross-attention: the keys' padding comes in ``mask``, the queries' in ``query_mask``; the real rows of
@@ -612,6 +617,7 @@ def test_distillation_loss_honours_causal_and_key_mask_and_refuses_softmax():
     layers.distillation_loss(q, k, w, kernel="softmax")
 
 
+@pytest.mark.slow(default_tier_covers=())
 @pytest.mark.parametrize("scale", [1.0, 20.0])
 @pytest.mark.parametrize("causal", [False, True])
 def test_distillation_loss_leaves_padded_queries_out(causal, scale):
