@@ -151,6 +151,7 @@ def test_every_causal_method_equals_the_explicit_gated_form(name, dtype):
           assert not np.any(np.all(got == 0, -1) & ~np.all(want == 0, -1)), (scale, method)
 
 
+@pytest.mark.slow(default_tier_covers=())
 @pytest.mark.parametrize("name", ["positive", "softmax"])
 @pytest.mark.parametrize("scale", [1.0, 7.0])
 def test_gradients_including_the_gate_equal_those_of_the_explicit_form(name, scale):

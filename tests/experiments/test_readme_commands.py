@@ -66,6 +66,7 @@ def test_pages_have_their_experiment_commands():
   assert len(COMMANDS) >= 20, COMMANDS  # main job, each study, the estimator runs, clusters, speed tables
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args", COMMANDS + OWN_COMMANDS, ids=lambda args: " ".join(args)[:90])
 def test_readme_experiment_command_is_accepted(args):
   config, overrides, _ = parse(args)

@@ -443,6 +443,7 @@ CONFIG_FILES = sorted(f[:-3] for f in os.listdir(os.path.join(REPO, "experiments
                       if f.endswith(".py") and f not in ("__init__.py", "common.py"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", CONFIG_FILES)
 @pytest.mark.parametrize("arg", [None, "quick"])
 def test_every_config_passes_its_checks_locked_as_the_command_line_gives_it(name, arg, nothing_trains):

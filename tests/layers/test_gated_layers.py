@@ -167,6 +167,7 @@ def test_nnx_packed_row_is_each_document_alone():
 
 
 @needs_gates
+@pytest.mark.slow(default_tier_covers=())
 @pytest.mark.parametrize("window", [0, 3])
 def test_linen_decode_across_a_boundary_is_the_full_pass(window):
   kwargs = dict(num_heads=H, qkv_features=H * DH, num_features=16, causal=True, forget_gate=True, alibi=True,
