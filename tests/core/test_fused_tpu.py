@@ -18,6 +18,7 @@ from favor_jax import core
 from favor_jax.core import attention
 from favor_jax.core import causal as causal_lib
 from favor_jax.core.fused import tpu as fused_tpu
+from favor_jax.core.fused import tpu_bodies
 from favor_jax.core.state import SAFE_GAP, divide
 from tests.core import test_gates
 from tests.core.test_fused import FUSED, _inputs, _params
@@ -182,7 +183,7 @@ def test_every_kernel_dot_takes_the_precision_asked_for():
 
 
 def test_the_gates_in_chunk_sums_are_sums_of_terms_of_one_sign():
-  """The log-depth scan of the gates (``_suffix_sums``) against float64 sums, interpreted: terms ≤ 0 with
+  """The log-depth scan of the gates (``suffix_sums``) against float64 sums, interpreted: terms ≤ 0 with
   −∞ among them; every sum within log2(C)·ε relative of the exact one (no cancellation: a difference of
   running sums would be off by ε times the chunk's whole sum), −∞ exactly where a −∞ term is summed."""
   c = 128
@@ -192,7 +193,7 @@ def test_the_gates_in_chunk_sums_are_sums_of_terms_of_one_sign():
   x = x.astype(np.float32)
 
   def kernel(x_ref, o_ref):
-    o_ref[...] = fused_tpu._suffix_sums(x_ref[...])
+    o_ref[...] = tpu_bodies.suffix_sums(x_ref[...])
 
   got = np.asarray(pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((c, c), jnp.float32), interpret=True)(x))
   want = np.cumsum(x.astype(np.float64)[:, ::-1], axis=1)[:, ::-1]
