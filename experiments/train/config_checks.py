@@ -96,7 +96,7 @@ def unused_fields(config) -> dict:
   """{dotted field: why this run does not read it}: the config file's labels, ``mesh.fsdp`` without a data
   axis, FAVOR's fields under softmax attention, the
   random projection's (``num_features``, ``projection``, ``redraw_every``) for a kernel without one,
-  ``chunk_size`` where nothing is chunked (a classifier's bidirectional attention without a window); softmax
+  ``control_variate`` without a window, ``chunk_size`` where nothing is chunked (a classifier's bidirectional attention without a window); softmax
   reads ``attention.forget_gate`` and ``attention.alibi``."""
   unused = {k: "a label of the config file, not read by the run" for k in ("quick", "config_name", "experiment")
             if k in config}
@@ -110,6 +110,8 @@ def unused_fields(config) -> dict:
   if projection_role(a.kernel) != "random":
     why = f"kernel {a.kernel!r} has no random projection"
     unused.update({f"attention.{k}": why for k in ("num_features", "projection", "redraw_every")})
+  if not a.window and "control_variate" in a:
+    unused["attention.control_variate"] = "attention.window is 0: the control variate corrects a hybrid's window"
   if not a.window and not tasks.is_causal(config.task):
     unused["attention.chunk_size"] = f"task {config.task!r} attends both ways and attention.window is 0: no chunks"
   return unused

@@ -74,6 +74,8 @@ def attention_fields(config) -> dict:
               projection=field("projection", ""), redraw_every=field("redraw_every", 0),
               window=field("window", 0), qk_head_dim=field("qk_head_dim", 0), short_conv=config.model.short_conv,
               forget_gate=a.get("forget_gate", False), alibi=a.get("alibi", False),
+              control_variate=field("control_variate", 0.0) if "control_variate" in a else 0.0,
+              qk_map=field("qk_map", "none") if "qk_map" in a else "none",
               positions=config.model.positions, pack=config.data.get("pack", False))
 
 
@@ -116,7 +118,8 @@ def _main_metric(records):
 
 # Fields that make runs the same setting (all but the seed): mean_over_seeds groups on them.
 SETTING = ("task", "attention", "kernel", "num_features", "projection", "redraw_every", "window", "qk_head_dim",
-           "short_conv", "seq_len", "num_kv_pairs", "steps", "forget_gate", "alibi", "positions", "pack")
+           "short_conv", "seq_len", "num_kv_pairs", "steps", "forget_gate", "alibi", "positions", "pack",
+           "control_variate", "qk_map")
 
 
 def mean_over_seeds(records: list[dict], metric: str) -> list[dict]:
