@@ -55,6 +55,8 @@ def check_config(config) -> None:
   # FAVOR's fields are checked for softmax runs too: a command-line value applies to every variant of a sweep.
   # The config holds num_features and qk_head_dim (0: the model's head dim) whatever the kernel; the library's
   # rules (kernel, projection, window, chunk size, how they combine) run once, building the layers' settings.
+  _check(a.get("qk_map", "none") in models.QK_MAPS,
+         f"attention.qk_map must be one of {models.QK_MAPS}, got {a.get('qk_map')!r}")
   tasks.positive_int("attention.num_features", a.num_features)
   _count("attention.qk_head_dim", a.qk_head_dim, "the model's head dim")
   models.favor_settings(config, tasks.is_causal(config.task))

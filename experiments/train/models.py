@@ -35,6 +35,10 @@ ANY_LENGTH = ("rotary", "none")  # the positions whose parameters do not depend 
 DTYPES = ("float32", "bfloat16")  # model.dtype: the compute dtype (activations, matmul inputs)
 PARAM_DTYPES = ("float32",)  # model.param_dtype: parameters (and so AdamW's moments) stay float32
 REMAT = ("none", "block")  # model.remat: "block" recomputes each block's activations in the backward pass
+# attention.qk_map: FAVOR's q, k before the features: as projected, RFA's unit-norm q, k with a learned per-head
+# temperature, or a learned per-head [D, D] map (the identity at init); see QKMap.
+QK_MAPS = ("none", "bounded", "learned")
+TEMPERATURE_INIT = 4.0  # "bounded": each head's temperature τ at init (its logits lie in [−τ, τ])
 
 
 class AttentionSpec(NamedTuple):
@@ -47,6 +51,7 @@ class AttentionSpec(NamedTuple):
   num_kv_heads: int | None = None  # grouped-query attention's key/value heads (None: one per query head)
   decode: bool = False  # token by token from a cache: FAVOR's constant-size state, softmax's key-value cache
   cache_len: int = 0  # decode: the softmax key-value cache's length (the most tokens a sequence reaches)
+  qk_map: str = "none"  # FAVOR: a learned map of q, k before the features (``QK_MAPS``, :class:`QKMap`)
 
 
 def rotary(x_BLHD: Float[Array, "B L H D"], base: float = 10000.0,
@@ -99,7 +104,7 @@ def favor_settings(config, causal: bool, mesh: Mesh | None = None, decode: bool 
       qk_transform=_rotary_qk if config.model.positions == "rotary" else None, mesh=mesh if parallel else None,
       sequence_axis="sequence" if parallel else None, batch_axis="data" if parallel else None,
       forget_gate=a.get("forget_gate", False), alibi=a.get("alibi", False), unused_projection="drop",
-      prefix="attention.")
+      control_variate=a.get("control_variate", 0.0) if a.window else 0.0, prefix="attention.")
 
 
 class SoftmaxAttention(nn.Module):
@@ -173,6 +178,57 @@ class SoftmaxAttention(nn.Module):
     return nn.dot_product_attention(q_BlHD, k_BCHD, v_BCHD, mask=seen_11C)  # Flax's, lean: one query per step
 
 
+class QKMap(nn.Module):
+  """A learned per-head map of a FAVOR layer's q, k [..., L, H, D] before its features (``attention.qk_map``).
+
+  ``"bounded"`` (Random Feature Attention, Peng et al. 2021): q ← d^{1/4}·√τ_h·q/‖q‖, k likewise, so the logit
+  q·k/√d = τ_h·cos(q, k) lies in [−τ_h, τ_h], τ_h = exp(``log_temperature``_h) learned (``TEMPERATURE_INIT`` at
+  init). The positive features stay an unbiased estimate of exp(τ_h·cos(q, k)), the gated softmax of the
+  bounded logits, and ‖x + y‖² ≤ 4τ_h bounds one feature pair's relative variance by (e^{4τ_h} − 1)/M.
+
+  ``"learned"``: q ← A_h q, k ← A_h k, with A_h [D, D] per head, the identity at init (``map``): the features
+  estimate exp(qᵀA_hᵀA_h k/√d) without bias, a learned bilinear softmax logit; training may shrink the norms
+  (and so the variance) in directions the task does not need. ``qk_transform`` (e.g. rotary) runs first.
+  """
+  kind: str
+  qk_transform: object = None  # (query, key[, positions]) -> (query, key), applied first (None: none)
+
+  @nn.compact
+  def __call__(self, query, key, positions=None):
+    if self.qk_transform is not None:
+      query, key = (self.qk_transform(query, key) if positions is None
+                    else self.qk_transform(query, key, positions=positions))
+    heads, dim = query.shape[-2:]
+    if self.kind == "bounded":
+      log_t = self.param("log_temperature", nn.initializers.constant(math.log(TEMPERATURE_INIT)), (heads,))
+      scale = dim ** 0.25 * jnp.exp(0.5 * log_t)[:, None]  # [H, 1]
+      unit = lambda x: x * jax.lax.rsqrt(jnp.sum(jnp.square(x.astype(jnp.float32)), -1, keepdims=True) + 1e-12)
+      return (unit(query) * scale).astype(query.dtype), (unit(key) * scale).astype(key.dtype)
+    if self.kind == "learned":
+      a_HDD = self.param("map", lambda _, shape: jnp.broadcast_to(jnp.eye(dim), shape), (heads, dim, dim))
+      apply = lambda x: jnp.einsum("...hd,hed->...he", x, a_HDD.astype(x.dtype))
+      return apply(query), apply(key)
+    raise ValueError(f"attention.qk_map must be one of {QK_MAPS}, got {self.kind!r}")
+
+
+class MappedFavorAttention(nn.Module):
+  """``FavorAttention`` whose q, k pass a :class:`QKMap` (its parameters under ``qk_map``, the layer's under
+  ``favor``) before the features and the exact window alike."""
+  attention: AttentionSpec
+  num_heads: int
+  dtype: jnp.dtype = jnp.float32
+  param_dtype: jnp.dtype = jnp.float32
+
+  @nn.compact
+  def __call__(self, x_BLD, mask=None, deterministic=True, segment_ids=None):
+    fields = {f.name: getattr(self.attention.favor, f.name) for f in dataclasses.fields(self.attention.favor)}
+    fields["qk_transform"] = QKMap(self.attention.qk_map, fields["qk_transform"], name="qk_map")
+    layer = favor_linen.FavorAttention(num_heads=self.num_heads, num_kv_heads=self.attention.num_kv_heads,
+                                       name="favor", dtype=self.dtype, param_dtype=self.param_dtype, **fields)
+    packed = {} if segment_ids is None else {"segment_ids": segment_ids}
+    return layer(x_BLD, mask=mask, deterministic=deterministic, **packed)
+
+
 def flax_softmax(attention: AttentionSpec) -> bool:
   """Whether the softmax layer is Flax's own (needs an explicit causal mask): not gated, packed, grouped-query
   or decoding, which :class:`SoftmaxAttention` does."""
@@ -195,6 +251,8 @@ def attention_layer(attention: AttentionSpec, num_heads: int, positions: str, na
     return nn.MultiHeadDotProductAttention(
         num_heads=num_heads, attention_fn=_rotary_softmax if rope else nn.dot_product_attention, name=name,
         **kinds)
+  if attention.qk_map != "none":
+    return MappedFavorAttention(attention, num_heads, name=name, **kinds)
   fields = {f.name: getattr(attention.favor, f.name) for f in dataclasses.fields(attention.favor)}
   return favor_linen.FavorAttention(num_heads=num_heads, num_kv_heads=attention.num_kv_heads, name=name, **fields,
                                     **kinds)
@@ -332,7 +390,7 @@ def make_model(config, vocab_size: int, num_classes: int, max_len: int, mesh: Me
   favor = favor_settings(config, num_classes == 0, mesh, decode) if a.type == "favor" else None
   spec = AttentionSpec(a.type, favor, forget_gate=a.get("forget_gate", False), alibi=a.get("alibi", False),
                        packed=bool(config.data.get("pack", False)), num_kv_heads=kv_heads, decode=decode,
-                       cache_len=cache_len)
+                       cache_len=cache_len, qk_map=a.get("qk_map", "none") if a.type == "favor" else "none")
   return Transformer(vocab_size=vocab_size, num_classes=num_classes, max_len=max_len, d_model=m.d_model,
                      num_layers=m.num_layers, num_heads=m.num_heads, mlp_dim=m.mlp_dim,
                      positions=m.positions, short_conv=m.short_conv, attention=spec,

@@ -153,7 +153,11 @@ def setting(r) -> str:
     parts.append(f"d={r['qk_head_dim']}")
   if r["redraw_every"]:
     parts.append(f"redraw {r['redraw_every']}")
-  return " ".join(parts) + (f" + window {r['window']}" if r.get("window") else "") + conv
+  if r.get("qk_map", "none") != "none":  # records from before the field: none
+    parts.append(f"qk {r['qk_map']}")
+  window = f" + window {r['window']}" if r.get("window") else ""
+  window += f" (control variate {r['control_variate']:g})" if r.get("control_variate") else ""
+  return " ".join(parts) + window + conv
 
 
 def markdown_table(columns: list[str], rows: list[list[str]]) -> list[str]:
