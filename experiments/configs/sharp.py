@@ -15,8 +15,7 @@ same window; RFA's bounded logits and learned per-head q/k maps (``attention.qk_
 only, a subset of the variants; it is not the study.
 """
 
-from experiments.configs import common
-from experiments.configs import forgetting
+from experiments.configs import common, forgetting
 
 REDUCED = ("softmax_forget_gate,favor_m64,favor_m128,favor_m256,favor_m512,favor_m64_window1,favor_m64_window2,"
            "favor_m64_window4,favor_m64_window8,favor_m256_window1,favor_m256_window4,favor_m64_window4_cv,"
@@ -39,7 +38,8 @@ def get_config(arg=None):
   # docs/estimators.md) against favor_m64_window4 (beta 0).
   variants += [("favor_m64_window4_cv", gated(64, window=4, control_variate=0.1))]
   # Item 5: RFA's bounded logits, and learned per-head maps of q, k before the positive features.
-  variants += [("favor_m64_bounded", gated(64, qk_map="bounded")), ("favor_m64_learned_qk", gated(64, qk_map="learned"))]
+  variants += [("favor_m64_bounded", gated(64, qk_map="bounded")),
+               ("favor_m64_learned_qk", gated(64, qk_map="learned"))]
   config.variants = common.with_seeds(tuple(variants), (0, 1))  # seed 1 as NAME_seed1
   config.only = ""  # every variant
   if reduced:

@@ -98,7 +98,8 @@ def unused_fields(config) -> dict:
   """{dotted field: why this run does not read it}: the config file's labels, ``mesh.fsdp`` without a data
   axis, FAVOR's fields under softmax attention, the
   random projection's (``num_features``, ``projection``, ``redraw_every``) for a kernel without one,
-  ``control_variate`` without a window, ``chunk_size`` where nothing is chunked (a classifier's bidirectional attention without a window); softmax
+  ``control_variate`` without a window, ``chunk_size`` where nothing is chunked (a classifier's bidirectional
+  attention without a window); softmax
   reads ``attention.forget_gate`` and ``attention.alibi``."""
   unused = {k: "a label of the config file, not read by the run" for k in ("quick", "config_name", "experiment")
             if k in config}
