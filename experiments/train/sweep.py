@@ -13,6 +13,7 @@ import json
 import os
 
 import jax
+import numpy as np
 
 from experiments.configs import common
 from experiments.tasks import listops
@@ -271,7 +272,29 @@ def summarize(records: list[dict], config) -> str:
         ["kernel", "M", "redraw every", f"{metric} with redraw", "without", "best acc with", "without"],
         [[r["kernel"], str(r["num_features"]), str(r["redraw_every"]), f"{r[metric]:.4f}", f"{s[metric]:.4f}",
           f"{r['best_eval_accuracy']:.4f}", f"{s['best_eval_accuracy']:.4f}"] for r, s in pairs])
+  lines += against_fox(settings, records, metric, lengths)
   return "\n".join(lines) + "\n"
+
+
+def against_fox(settings: list[dict], records: list[dict], metric: str, lengths: list[int]) -> list[str]:
+  """The gated runs against the Forgetting Transformer (softmax + forget gate), mean over seeds: ``metric`` at each
+  length as a ratio run / FoX, and the train step's time as a ratio (each run's last logging window: tokens/s of
+  FoX over the run's). [] without a FoX run."""
+  fox = [r for r in settings if r["attention"] == "softmax" and r.get("forget_gate") and not r.get("alibi")]
+  if not fox or metric == "eval_accuracy":
+    return []
+  fox = fox[0]
+  key = lambda r: tuple(r.get(f) for f in SETTING)
+  rate = lambda r: float(np.mean([x["tokens_per_s"] for x in records if key(x) == key(r) and x.get("tokens_per_s")]
+                                 or [float("nan")]))
+  ratio = lambda r, k: f"{r[k] / fox[k]:.3f}" if k in r and k in fox else ""
+  keys = [metric] + [f"{metric}_at_{n}" for n in lengths]
+  out = ["", f"## Against FoX ({fox['name']}{_seeds(fox)}): {metric} ratio run / FoX, train-step time ratio", ""]
+  out += markdown_table(
+      ["run", "attention", "seeds", "at L"] + [f"at {n}" for n in lengths] + ["step time / FoX's"],
+      [[r["name"], setting(r), str(len(r["seeds"]))] + [ratio(r, k) for k in keys] + [f"{rate(fox) / rate(r):.2f}"]
+       for r in settings if r.get("forget_gate") and r is not fox])
+  return out
 
 
 def plot(records: list[dict], config, workdir: str) -> list[str]:
@@ -286,4 +309,8 @@ def plot(records: list[dict], config, workdir: str) -> list[str]:
   metric = _main_metric(records)
   paths.append(plotting.quality_vs_state(mean_over_seeds(records, metric), metric, style,
                                          os.path.join(workdir, "state.png")))
+  timed = [r for r in records if r.get("tokens_per_s")]
+  if config.get("config_name") == "sharp" and timed:  # bits/char against step time (issue 53's figure)
+    rows = [{**r, "step_s": config.train.batch_size * r["seq_len"] / r["tokens_per_s"]} for r in timed]
+    paths.append(plotting.quality_vs_step_time(rows, metric, style, os.path.join(workdir, "step_time.png")))
   return paths
