@@ -101,11 +101,15 @@ def run(config, progress, workdir) -> list[dict]:
   for i, (name, c) in enumerate(runs):
     progress(f"run {i + 1}/{len(runs)}: {name}")
     try:
-      records, _ = training.train(c, os.path.join(workdir, name), progress=lambda m, n=name: progress(f"{n} {m}"))
+      records, state = training.train(c, os.path.join(workdir, name),
+                                      progress=lambda m, n=name: progress(f"{n} {m}"))
     except training.Stopped as e:  # the other runs still train up to their stop (a preemptible job's share)
       stopped += e.runs
       continue
     results.append(final_record(name, c, records))
+    if config.get("config_name") == "sharp":  # issue 53: each run's attention on its own activations
+      from experiments.studies import sharp  # noqa: PLC0415 (the studies import this module)
+      results[-1].update(sharp.own_activations(c, state))
     if jax.process_index() == 0:  # multi-host: process 0 writes the plots (in the run's colour of curves.png)
       plotting.training_curves({name: records}, os.path.join(workdir, name, "loss.png"), {name: style[name]})
   if stopped:
@@ -294,6 +298,17 @@ def against_fox(settings: list[dict], records: list[dict], metric: str, lengths:
       ["run", "attention", "seeds", "at L"] + [f"at {n}" for n in lengths] + ["step time / FoX's"],
       [[r["name"], setting(r), str(len(r["seeds"]))] + [ratio(r, k) for k in keys] + [f"{rate(fox) / rate(r):.2f}"]
        for r in settings if r.get("forget_gate") and r is not fox])
+  diagnosed = [r for r in records if "own_error" in r]
+  if diagnosed:
+    out += ["", "## On each run's own activations (first held-out batch, at L; mean over layers)", "",
+            "entropy: of the exact gated softmax rows (nats); peak logit: the largest q·k/√d a row sees; ‖x+y‖²: at "
+            "the row's heaviest key (one positive feature pair's relative variance there is e^{‖x+y‖²} − 1); "
+            "error: ‖out − exact‖/‖exact‖ of the run's own estimator against the exact gated softmax.", ""]
+    out += markdown_table(
+        ["run", "attention", "seed", "entropy", "peak logit", "‖x+y‖² at the heaviest key", "own error"],
+        [[r["name"], setting(r), str(r["seed"]), f"{r['attention_entropy']:.3f}", f"{r['peak_logit']:.2f}",
+          f"{r['peak_pair_sq']:.2f}", f"{r['own_error']:.3f}" if r["attention"] == "favor" else "–"]
+         for r in diagnosed])
   return out
 
 

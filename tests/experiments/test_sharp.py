@@ -95,3 +95,25 @@ def test_every_study_variant_passes_the_config_checks_and_is_labelled_apart():
   bad.attention.qk_map = "sharp"
   with pytest.raises(ValueError, match="attention.qk_map must be one of"):
     training.check_config(bad)
+
+
+@pytest.mark.slow
+def test_quick_study_reports_each_run_against_fox_on_its_own_activations(tmp_path):
+  import os
+
+  from experiments import main
+  from experiments.configs import common
+  repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  config = common.set_fields(sharp_config.get_config("quick"), {
+      "data.text_dir": os.path.join(repo, "tests", "data", "shakespeare"), "data.valid_plays": ("tempest",)})
+  records = main.run(config, str(tmp_path))
+  assert [r["name"] for r in records] == ["softmax_forget_gate", "favor_m64_window4_cv", "favor_m64_bounded"]
+  for r in records:
+    assert np.isfinite([r["attention_entropy"], r["peak_logit"], r["peak_pair_sq"], r["own_error"]]).all()
+    assert 0 < r["attention_entropy"] <= math.log(config.data.seq_len)
+  assert records[0]["own_error"] == 0 and records[1]["own_error"] > 0
+  bounded = records[2]  # RFA: |logit| ≤ τ, ‖x+y‖² ≤ 4τ (τ learned from TEMPERATURE_INIT over 4 steps)
+  assert bounded["peak_logit"] <= 1.1 * models.TEMPERATURE_INIT and bounded["peak_pair_sq"] <= 4.4 * models.TEMPERATURE_INIT
+  summary = (tmp_path / "summary.md").read_text()
+  assert "## Against FoX" in summary and "control variate 0.1" in summary and "qk bounded" in summary
+  assert (tmp_path / "step_time.png").exists()
