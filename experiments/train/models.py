@@ -21,6 +21,7 @@ from jax import Array
 from jax.sharding import Mesh
 from jaxtyping import Float, Int
 
+from experiments.train.qk_maps import QK_MAPS, TEMPERATURE_INIT, MappedFavorAttention, QKMap  # noqa: F401
 from favor_jax import core
 from favor_jax.layers import gates, inputs
 from favor_jax.layers import linen as favor_linen
@@ -35,10 +36,6 @@ ANY_LENGTH = ("rotary", "none")  # the positions whose parameters do not depend 
 DTYPES = ("float32", "bfloat16")  # model.dtype: the compute dtype (activations, matmul inputs)
 PARAM_DTYPES = ("float32",)  # model.param_dtype: parameters (and so AdamW's moments) stay float32
 REMAT = ("none", "block")  # model.remat: "block" recomputes each block's activations in the backward pass
-# attention.qk_map: FAVOR's q, k before the features: as projected, RFA's unit-norm q, k with a learned per-head
-# temperature, or a learned per-head [D, D] map (the identity at init); see QKMap.
-QK_MAPS = ("none", "bounded", "learned")
-TEMPERATURE_INIT = 4.0  # "bounded": each head's temperature τ at init (its logits lie in [−τ, τ])
 
 
 class AttentionSpec(NamedTuple):
@@ -51,7 +48,7 @@ class AttentionSpec(NamedTuple):
   num_kv_heads: int | None = None  # grouped-query attention's key/value heads (None: one per query head)
   decode: bool = False  # token by token from a cache: FAVOR's constant-size state, softmax's key-value cache
   cache_len: int = 0  # decode: the softmax key-value cache's length (the most tokens a sequence reaches)
-  qk_map: str = "none"  # FAVOR: a learned map of q, k before the features (``QK_MAPS``, :class:`QKMap`)
+  qk_map: str = "none"  # FAVOR: a learned map of q, k before the features (``QK_MAPS``, ``qk_maps.QKMap``)
 
 
 def rotary(x_BLHD: Float[Array, "B L H D"], base: float = 10000.0,
@@ -176,57 +173,6 @@ class SoftmaxAttention(nn.Module):
     seen_11C = (jnp.arange(self.cache_len) < index.value)[None, None, :]  # Flax's [heads, q, keys] mask
     k_BCHD, v_BCHD = inputs.repeat_kv_heads(keys.value, values.value, self.num_heads)
     return nn.dot_product_attention(q_BlHD, k_BCHD, v_BCHD, mask=seen_11C)  # Flax's, lean: one query per step
-
-
-class QKMap(nn.Module):
-  """A learned per-head map of a FAVOR layer's q, k [..., L, H, D] before its features (``attention.qk_map``).
-
-  ``"bounded"`` (Random Feature Attention, Peng et al. 2021): q ← d^{1/4}·√τ_h·q/‖q‖, k likewise, so the logit
-  q·k/√d = τ_h·cos(q, k) lies in [−τ_h, τ_h], τ_h = exp(``log_temperature``_h) learned (``TEMPERATURE_INIT`` at
-  init). The positive features stay an unbiased estimate of exp(τ_h·cos(q, k)), the gated softmax of the
-  bounded logits, and ‖x + y‖² ≤ 4τ_h bounds one feature pair's relative variance by (e^{4τ_h} − 1)/M.
-
-  ``"learned"``: q ← A_h q, k ← A_h k, with A_h [D, D] per head, the identity at init (``map``): the features
-  estimate exp(qᵀA_hᵀA_h k/√d) without bias, a learned bilinear softmax logit; training may shrink the norms
-  (and so the variance) in directions the task does not need. ``qk_transform`` (e.g. rotary) runs first.
-  """
-  kind: str
-  qk_transform: object = None  # (query, key[, positions]) -> (query, key), applied first (None: none)
-
-  @nn.compact
-  def __call__(self, query, key, positions=None):
-    if self.qk_transform is not None:
-      query, key = (self.qk_transform(query, key) if positions is None
-                    else self.qk_transform(query, key, positions=positions))
-    heads, dim = query.shape[-2:]
-    if self.kind == "bounded":
-      log_t = self.param("log_temperature", nn.initializers.constant(math.log(TEMPERATURE_INIT)), (heads,))
-      scale = dim ** 0.25 * jnp.exp(0.5 * log_t)[:, None]  # [H, 1]
-      unit = lambda x: x * jax.lax.rsqrt(jnp.sum(jnp.square(x.astype(jnp.float32)), -1, keepdims=True) + 1e-12)
-      return (unit(query) * scale).astype(query.dtype), (unit(key) * scale).astype(key.dtype)
-    if self.kind == "learned":
-      a_HDD = self.param("map", lambda _, shape: jnp.broadcast_to(jnp.eye(dim), shape), (heads, dim, dim))
-      apply = lambda x: jnp.einsum("...hd,hed->...he", x, a_HDD.astype(x.dtype))
-      return apply(query), apply(key)
-    raise ValueError(f"attention.qk_map must be one of {QK_MAPS}, got {self.kind!r}")
-
-
-class MappedFavorAttention(nn.Module):
-  """``FavorAttention`` whose q, k pass a :class:`QKMap` (its parameters under ``qk_map``, the layer's under
-  ``favor``) before the features and the exact window alike."""
-  attention: AttentionSpec
-  num_heads: int
-  dtype: jnp.dtype = jnp.float32
-  param_dtype: jnp.dtype = jnp.float32
-
-  @nn.compact
-  def __call__(self, x_BLD, mask=None, deterministic=True, segment_ids=None):
-    fields = {f.name: getattr(self.attention.favor, f.name) for f in dataclasses.fields(self.attention.favor)}
-    fields["qk_transform"] = QKMap(self.attention.qk_map, fields["qk_transform"], name="qk_map")
-    layer = favor_linen.FavorAttention(num_heads=self.num_heads, num_kv_heads=self.attention.num_kv_heads,
-                                       name="favor", dtype=self.dtype, param_dtype=self.param_dtype, **fields)
-    packed = {} if segment_ids is None else {"segment_ids": segment_ids}
-    return layer(x_BLD, mask=mask, deterministic=deterministic, **packed)
 
 
 def flax_softmax(attention: AttentionSpec) -> bool:

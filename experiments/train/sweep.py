@@ -17,7 +17,7 @@ import numpy as np
 
 from experiments.configs import common
 from experiments.tasks import listops
-from experiments.train import flops, models, plotting, training
+from experiments.train import diagnostics, flops, models, plotting, training
 
 
 def variant_configs(config) -> list[tuple[str, object]]:
@@ -108,8 +108,7 @@ def run(config, progress, workdir) -> list[dict]:
       continue
     results.append(final_record(name, c, records))
     if config.get("config_name") == "sharp":  # issue 53: each run's attention on its own activations
-      from experiments.studies import sharp  # noqa: PLC0415 (the studies import this module)
-      results[-1].update(sharp.own_activations(c, state))
+      results[-1].update(diagnostics.own_activations(c, state))
     if jax.process_index() == 0:  # multi-host: process 0 writes the plots (in the run's colour of curves.png)
       plotting.training_curves({name: records}, os.path.join(workdir, name, "loss.png"), {name: style[name]})
   if stopped:

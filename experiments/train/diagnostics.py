@@ -1,4 +1,4 @@
-"""The sharp-attention study's diagnostics (issue 53): each trained run's attention on its own activations.
+"""Diagnostics of the sharp-attention study (issue 53): each trained run's attention on its own activations.
 
 For a run of ``experiments/configs/sharp.py`` (a training sweep), after training: the q, k, v (after its q/k map)
 and forget gates of every layer on the first held-out batch, then
