@@ -150,6 +150,11 @@ def training_config(name: str, task: str, quick: bool) -> ml_collections.ConfigD
   config.attention.qk_head_dim = 0  # FAVOR: query/key head dim (0 = the model's; Based: 16 with taylor)
   config.attention.forget_gate = False  # causal LMs: a learned per-head forget gate (FoX), softmax or FAVOR
   config.attention.alibi = False  # causal LMs: ALiBi's fixed per-head gate (log f = -slope), softmax or FAVOR
+  # > 0 with a window: the hybrid's control variate beta (core.hybrid_attention's control_variate), 0 = plain
+  config.attention.control_variate = 0.0
+  # FAVOR: a learned map of q, k before the features: "none", "bounded" (RFA: unit-norm q, k times a learned
+  # per-head temperature) or "learned" (a per-head [D, D] matrix, the identity at init)
+  config.attention.qk_map = "none"
 
   config.train = ml_collections.ConfigDict()
   config.train.seed = 0  # parameters, projection draws and the data stream

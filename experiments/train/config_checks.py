@@ -59,6 +59,8 @@ def check_config(config) -> None:
   # FAVOR's fields are checked for softmax runs too: a command-line value applies to every variant of a sweep.
   # The config holds num_features and qk_head_dim (0: the model's head dim) whatever the kernel; the library's
   # rules (kernel, projection, window, chunk size, how they combine) run once, building the layers' settings.
+  _check(a.get("qk_map", "none") in models.QK_MAPS,
+         f"attention.qk_map must be one of {models.QK_MAPS}, got {a.get('qk_map')!r}")
   tasks.positive_int("attention.num_features", a.num_features)
   _count("attention.qk_head_dim", a.qk_head_dim, "the model's head dim")
   models.favor_settings(config, tasks.is_causal(config.task))
@@ -135,7 +137,8 @@ def unused_fields(config) -> dict:
   """{dotted field: why this run does not read it}: the config file's labels, ``mesh.fsdp`` without a data
   axis, FAVOR's fields under softmax attention, the
   random projection's (``num_features``, ``projection``, ``redraw_every``) for a kernel without one,
-  ``chunk_size`` where nothing is chunked (a classifier's bidirectional attention without a window); softmax
+  ``control_variate`` without a window, ``chunk_size`` where nothing is chunked (a classifier's bidirectional
+  attention without a window); softmax
   reads ``attention.forget_gate`` and ``attention.alibi``."""
   unused = {k: "a label of the config file, not read by the run" for k in ("quick", "config_name", "experiment")
             if k in config}
@@ -149,6 +152,8 @@ def unused_fields(config) -> dict:
   if projection_role(a.kernel) != "random":
     why = f"kernel {a.kernel!r} has no random projection"
     unused.update({f"attention.{k}": why for k in ("num_features", "projection", "redraw_every")})
+  if not a.window and "control_variate" in a:
+    unused["attention.control_variate"] = "attention.window is 0: the control variate corrects a hybrid's window"
   if not a.window and not tasks.is_causal(config.task):
     unused["attention.chunk_size"] = f"task {config.task!r} attends both ways and attention.window is 0: no chunks"
   return unused

@@ -21,6 +21,7 @@ from jax import Array
 from jax.sharding import Mesh
 from jaxtyping import Float, Int
 
+from experiments.train.qk_maps import QK_MAPS, TEMPERATURE_INIT, MappedFavorAttention, QKMap  # noqa: F401
 from favor_jax import core
 from favor_jax.core import gates as gates_lib
 from favor_jax.layers import gates, inputs
@@ -48,6 +49,7 @@ class AttentionSpec(NamedTuple):
   num_kv_heads: int | None = None  # grouped-query attention's key/value heads (None: one per query head)
   decode: bool = False  # token by token from a cache: FAVOR's constant-size state, softmax's key-value cache
   cache_len: int = 0  # decode: the softmax key-value cache's length (the most tokens a sequence reaches)
+  qk_map: str = "none"  # FAVOR: a learned map of q, k before the features (``QK_MAPS``, ``qk_maps.QKMap``)
 
 
 def rotary(x_BLHD: Float[Array, "B L H D"], base: float = 10000.0,
@@ -100,7 +102,7 @@ def favor_settings(config, causal: bool, mesh: Mesh | None = None, decode: bool 
       qk_transform=_rotary_qk if config.model.positions == "rotary" else None, mesh=mesh if parallel else None,
       sequence_axis="sequence" if parallel else None, batch_axis="data" if parallel else None,
       forget_gate=a.get("forget_gate", False), alibi=a.get("alibi", False), unused_projection="drop",
-      prefix="attention.")
+      control_variate=a.get("control_variate", 0.0) if a.window else 0.0, prefix="attention.")
 
 
 class SoftmaxAttention(nn.Module):
@@ -225,6 +227,8 @@ def attention_layer(attention: AttentionSpec, num_heads: int, positions: str, na
     return nn.MultiHeadDotProductAttention(
         num_heads=num_heads, attention_fn=_rotary_softmax if rope else nn.dot_product_attention, name=name,
         **kinds)
+  if attention.qk_map != "none":
+    return MappedFavorAttention(attention, num_heads, name=name, **kinds)
   fields = {f.name: getattr(attention.favor, f.name) for f in dataclasses.fields(attention.favor)}
   return favor_linen.FavorAttention(num_heads=num_heads, num_kv_heads=attention.num_kv_heads, name=name, **fields,
                                     **kinds)
@@ -362,7 +366,7 @@ def make_model(config, vocab_size: int, num_classes: int, max_len: int, mesh: Me
   favor = favor_settings(config, num_classes == 0, mesh, decode) if a.type == "favor" else None
   spec = AttentionSpec(a.type, favor, forget_gate=a.get("forget_gate", False), alibi=a.get("alibi", False),
                        packed=bool(config.data.get("pack", False)), num_kv_heads=kv_heads, decode=decode,
-                       cache_len=cache_len)
+                       cache_len=cache_len, qk_map=a.get("qk_map", "none") if a.type == "favor" else "none")
   return Transformer(vocab_size=vocab_size, num_classes=num_classes, max_len=max_len, d_model=m.d_model,
                      num_layers=m.num_layers, num_heads=m.num_heads, mlp_dim=m.mlp_dim,
                      positions=m.positions, short_conv=m.short_conv, attention=spec,

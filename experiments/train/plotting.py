@@ -210,3 +210,18 @@ def quality_vs_state(rows: list[dict], metric: str, style: dict[str, dict], path
     ax.grid(alpha=0.3)
   legend_right(fig)
   return save(fig, path)
+
+
+def quality_vs_step_time(rows: list[dict], metric: str, style: dict[str, dict], path: str) -> str:
+  """``metric`` against each run's seconds per train step (the trade-off study's axes, here from the run's own
+  clock: ``batch × seq_len / tokens_per_s`` of its last logging window, so compilation and evaluations are not
+  in it). One point per row, in its run's colour and marker, labelled by its name."""
+  fig, axes = subplots(1, 1, figsize=(5.2, 3.8), squeeze=False)
+  ax = axes[0, 0]
+  for r in rows:
+    ax.scatter(r["step_s"], r[metric], color=style[r["name"]]["color"], marker=style[r["name"]]["marker"], s=40,
+               alpha=0.85, label=r["name"])
+  ax.set(xlabel="seconds per train step (the run's own clock)", ylabel=metric.replace("_", " "))
+  ax.grid(alpha=0.3)
+  legend_right(fig)
+  return save(fig, path)

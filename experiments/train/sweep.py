@@ -13,10 +13,11 @@ import json
 import os
 
 import jax
+import numpy as np
 
 from experiments.configs import common
 from experiments.tasks import listops
-from experiments.train import flops, models, paths, plotting, training
+from experiments.train import diagnostics, flops, models, paths, plotting, training
 
 
 def variant_configs(config) -> list[tuple[str, object]]:
@@ -74,6 +75,8 @@ def attention_fields(config) -> dict:
               projection=field("projection", ""), redraw_every=field("redraw_every", 0),
               window=field("window", 0), qk_head_dim=field("qk_head_dim", 0), short_conv=config.model.short_conv,
               forget_gate=a.get("forget_gate", False), alibi=a.get("alibi", False),
+              control_variate=field("control_variate", 0.0) if "control_variate" in a else 0.0,
+              qk_map=field("qk_map", "none") if "qk_map" in a else "none",
               positions=config.model.positions, pack=config.data.get("pack", False))
 
 
@@ -130,11 +133,14 @@ def run(config, progress, workdir) -> list[dict]:
   for i, (name, c) in enumerate(runs):
     progress(f"run {i + 1}/{len(runs)}: {name}")
     try:
-      records, _ = training.train(c, os.path.join(workdir, name), progress=lambda m, n=name: progress(f"{n} {m}"))
+      records, state = training.train(c, os.path.join(workdir, name),
+                                      progress=lambda m, n=name: progress(f"{n} {m}"))
     except training.Stopped as e:  # the other runs still train up to their stop (a preemptible job's share)
       stopped += e.runs
       continue
     results.append(final_record(name, c, records))
+    if config.get("config_name") == "sharp":  # issue 53: each run's attention on its own activations
+      results[-1].update(diagnostics.own_activations(c, state))
     if jax.process_index() == 0:  # multi-host: process 0 writes the plots (in the run's colour of curves.png)
       plotting.training_curves({name: records}, os.path.join(workdir, name, "loss.png"), {name: style[name]})
   if stopped:
@@ -150,7 +156,8 @@ def _main_metric(records):
 
 # Fields that make runs the same setting (all but the seed): mean_over_seeds groups on them.
 SETTING = ("task", "attention", "kernel", "num_features", "projection", "redraw_every", "window", "qk_head_dim",
-           "short_conv", "seq_len", "num_kv_pairs", "steps", "forget_gate", "alibi", "positions", "pack")
+           "short_conv", "seq_len", "num_kv_pairs", "steps", "forget_gate", "alibi", "positions", "pack",
+           "control_variate", "qk_map")
 
 
 def mean_over_seeds(records: list[dict], metric: str) -> list[dict]:
@@ -184,7 +191,11 @@ def setting(r) -> str:
     parts.append(f"d={r['qk_head_dim']}")
   if r["redraw_every"]:
     parts.append(f"redraw {r['redraw_every']}")
-  return " ".join(parts) + (f" + window {r['window']}" if r.get("window") else "") + conv
+  if r.get("qk_map", "none") != "none":  # records from before the field: none
+    parts.append(f"qk {r['qk_map']}")
+  window = f" + window {r['window']}" if r.get("window") else ""
+  window += f" (control variate {r['control_variate']:g})" if r.get("control_variate") else ""
+  return " ".join(parts) + window + conv
 
 
 def markdown_table(columns: list[str], rows: list[list[str]]) -> list[str]:
@@ -312,7 +323,40 @@ def summarize(records: list[dict], config) -> str:
         ["kernel", "M", "redraw every", f"{metric} with redraw", "without", "best acc with", "without"],
         [[r["kernel"], str(r["num_features"]), str(r["redraw_every"]), f"{r[metric]:.4f}", f"{s[metric]:.4f}",
           f"{r['best_eval_accuracy']:.4f}", f"{s['best_eval_accuracy']:.4f}"] for r, s in pairs])
+  lines += against_fox(settings, records, metric, lengths)
   return "\n".join(lines) + "\n"
+
+
+def against_fox(settings: list[dict], records: list[dict], metric: str, lengths: list[int]) -> list[str]:
+  """The gated runs against the Forgetting Transformer (softmax + forget gate), mean over seeds: ``metric`` at each
+  length as a ratio run / FoX, and the train step's time as a ratio (each run's last logging window: tokens/s of
+  FoX over the run's). [] without a FoX run."""
+  fox = [r for r in settings if r["attention"] == "softmax" and r.get("forget_gate") and not r.get("alibi")]
+  if not fox or metric == "eval_accuracy":
+    return []
+  fox = fox[0]
+  key = lambda r: tuple(r.get(f) for f in SETTING)
+  rate = lambda r: float(np.mean([x["tokens_per_s"] for x in records if key(x) == key(r) and x.get("tokens_per_s")]
+                                 or [float("nan")]))
+  ratio = lambda r, k: f"{r[k] / fox[k]:.3f}" if k in r and k in fox else ""
+  keys = [metric] + [f"{metric}_at_{n}" for n in lengths]
+  out = ["", f"## Against FoX ({fox['name']}{_seeds(fox)}): {metric} ratio run / FoX, train-step time ratio", ""]
+  out += markdown_table(
+      ["run", "attention", "seeds", "at L"] + [f"at {n}" for n in lengths] + ["step time / FoX's"],
+      [[r["name"], setting(r), str(len(r["seeds"]))] + [ratio(r, k) for k in keys] + [f"{rate(fox) / rate(r):.2f}"]
+       for r in settings if r.get("forget_gate") and r is not fox])
+  diagnosed = [r for r in records if "own_error" in r]
+  if diagnosed:
+    out += ["", "## On each run's own activations (first held-out batch, at L; mean over layers)", "",
+            "entropy: of the exact gated softmax rows (nats); peak logit: the largest q·k/√d a row sees; ‖x+y‖²: at "
+            "the row's heaviest key (one positive feature pair's relative variance there is e^{‖x+y‖²} − 1); "
+            "error: ‖out − exact‖/‖exact‖ of the run's own estimator against the exact gated softmax.", ""]
+    out += markdown_table(
+        ["run", "attention", "seed", "entropy", "peak logit", "‖x+y‖² at the heaviest key", "own error"],
+        [[r["name"], setting(r), str(r["seed"]), f"{r['attention_entropy']:.3f}", f"{r['peak_logit']:.2f}",
+          f"{r['peak_pair_sq']:.2f}", f"{r['own_error']:.3f}" if r["attention"] == "favor" else "–"]
+         for r in diagnosed])
+  return out
 
 
 def plot(records: list[dict], config, workdir: str) -> list[str]:
@@ -327,4 +371,8 @@ def plot(records: list[dict], config, workdir: str) -> list[str]:
   metric = _main_metric(records)
   written.append(plotting.quality_vs_state(mean_over_seeds(records, metric), metric, style,
                                            os.path.join(workdir, "state.png")))
+  timed = [r for r in records if r.get("tokens_per_s")]
+  if config.get("config_name") == "sharp" and timed:  # bits/char against step time (issue 53's figure)
+    rows = [{**r, "step_s": config.train.batch_size * r["seq_len"] / r["tokens_per_s"]} for r in timed]
+    written.append(plotting.quality_vs_step_time(rows, metric, style, os.path.join(workdir, "step_time.png")))
   return written

@@ -262,6 +262,7 @@ def hybrid_attention(
     log_gate: Float[Array, "... L H"] | None = None,
     segment_ids: Int[Array, "... L"] | None = None,
     precision: jax.lax.PrecisionLike = None,
+    control_variate: float | Float[Array, ""] | Float[Array, " H"] | None = None,
 ) -> Float[Array, "... Lq H Dv"]:
   """Computes attention with exact softmax weights near each query and a kernel's estimate elsewhere.
 
@@ -272,6 +273,23 @@ def hybrid_attention(
   stabiliser never looks ahead. Needs Lq = Lk (positions are shared). Masks, non-finite inputs, ``rho``,
   ``query_mask``, ``log_gate`` and ``segment_ids`` behave as in :func:`favor_attention`; the exact window gets
   the same bias as the kernel's part.
+
+  The kernel's part covers exactly the keys beyond the window, so each weight beyond it is the kernel's own
+  (unbiased) estimate and each weight inside it exact: this is Scatterbrain's sparse + low-rank − (low-rank on
+  the sparse support), term by term. ``control_variate`` β ≠ 0 adds a control variate (EVA, Zheng et al.
+  2023): the window's kernel estimate Ŝ_W, whose expectation is the exact window S_W computed here, corrects
+  the estimate beyond the window Ŝ_F (sums of w_tj·[v_j, 1] over the keys of W or F; gates included):
+
+  .. code-block:: text
+
+     numerator, denominator = S_W + Ŝ_F − β·(Ŝ_W − S_W) = (1 + β)·(S_W + Ŝ_F) − β·Ŝ_{W∪F}
+
+  unbiased for every β fixed with respect to the random features (E[Ŝ_W] = S_W): a window weight's estimate is
+  (1 + β)·w − β·ŵ, a weight beyond it ŵ. The errors of Ŝ_W and Ŝ_F share φ(q_t), so a β near
+  Cov(Ŝ_F, Ŝ_W)/Var(Ŝ_W) lowers the variance of the sum; β = −1 is :func:`favor_attention`'s estimate. Weights
+  can then be negative (as the denominator, rarely). It costs one more chunked pass (every key). One
+  coefficient per head (an array [H]) may be learned; a coefficient estimated from the same draw (EVA's
+  per-chunk one) would add a bias of order 1/M and is not offered.
 
   Args:
     query: queries, shape [..., Lq, H, D].
@@ -289,22 +307,28 @@ def hybrid_attention(
       only, as in :func:`~favor_jax.core.favor_attention`.
     segment_ids: optional int [..., L], packed documents, as in :func:`~favor_jax.core.favor_attention`.
     precision: the precision of every dot product of the call, as in :func:`favor_attention`.
+    control_variate: β, None or 0 (the plain hybrid), a real number, or a floating array of shape () or [H]
+      (one per head; may be traced, e.g. learned); needs ``window`` > 0.
 
   Returns:
     The output, shape [..., Lq, H, Dv], in the inputs' dtype.
 
   Raises:
-    TypeError: as :func:`favor_attention` raises.
-    ValueError: as :func:`favor_attention` raises, and if Lq ≠ Lk or ``window`` is not an int ≥ 0.
+    TypeError: as :func:`favor_attention` raises, and if ``control_variate`` is neither a number nor a floating
+      array.
+    ValueError: as :func:`favor_attention` raises, and if Lq ≠ Lk, ``window`` is not an int ≥ 0, or
+      ``control_variate`` is not finite, of another shape than () or [H], or not 0 with ``window=0``.
 
   References:
     Chen et al. 2021, "Scatterbrain: Unifying Sparse and Low-rank Attention" (NeurIPS).
+    Zheng et al. 2023, "Efficient Attention via Control Variates" (ICLR).
     Arora et al. 2024, "Simple linear attention language models balance the recall-throughput tradeoff".
   """
   inputs.validate(query, key, value, key_mask, causal, query_mask=query_mask)
   checks.check_causal_lengths(query, key, "hybrid attention (its window is positions t − j, causal or not)")
   window = checks.check_window(window)
   chunk_size = checks.check_chunk_size(chunk_size)
+  control = checks.check_control_variate(control_variate, window, query.shape[-2])
   gates = gates_lib.prepare(log_gate, segment_ids, query, causal)
   # Window 0 is favor_attention with causal_method "auto", its other arguments checked above.
   features = _feature_fn(kernel, projection, rho, query, key, key_mask, causal,
@@ -315,6 +339,7 @@ def hybrid_attention(
 
   def algorithm(q, k, v, mask):
     q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
-    return state_lib.divide(*hybrid_lib.hybrid(features, q, k, v, mask, window, causal, chunk_size, gates))
+    return state_lib.divide(*hybrid_lib.hybrid(features, q, k, v, mask, window, causal, chunk_size, gates,
+                                               control))
 
   return inputs.envelope(algorithm, query, key, value, key_mask, causal=causal, gates=gates)

@@ -153,3 +153,26 @@ def check_window(window) -> int:
     raise ValueError(f"window must be an int >= 0 (positions of exact attention; 0: none), got {window!r}"
                      + _traced_hint("window", window))
   return int(window)
+
+
+def check_control_variate(control_variate, window: int, num_heads: int):
+  """The hybrid's control-variate coefficient β: None or a Python 0 (no correction: returns None), a finite real
+  number, or a floating array of shape () or [H] (may be traced: one learned coefficient per head); not 0
+  only with a window > 0 (the correction uses the exact window). Returns β or None."""
+  if control_variate is None:
+    return None
+  if isinstance(control_variate, numbers.Real) and not isinstance(control_variate, bool):
+    if not np.isfinite(control_variate):
+      raise ValueError(f"control_variate must be finite, got {control_variate!r}")
+    if control_variate == 0:
+      return None
+  elif not (hasattr(control_variate, "shape") and hasattr(control_variate, "dtype")
+            and jnp.issubdtype(control_variate.dtype, jnp.floating)):
+    raise TypeError(f"control_variate must be a real number or a floating array of shape () or [H], got "
+                    f"{control_variate!r} ({type(control_variate).__name__})")
+  elif jnp.shape(control_variate) not in ((), (num_heads,)):
+    raise ValueError(f"control_variate must have shape () or [H] = ({num_heads},), got {jnp.shape(control_variate)}")
+  if not window:
+    raise ValueError(f"control_variate={control_variate!r} corrects the kernel's estimate with the exact window's "
+                     "own estimate: it needs window > 0 (window=0 is favor_attention)")
+  return control_variate

@@ -6,6 +6,12 @@ exp(q_t·k_j/√d) if j is within ``window`` positions of t, else φ(q_t)ᵀφ(k
 With an unbiased kernel every unnormalised weight stays unbiased, and the
 largest weights (the nearby, typically aligned keys) carry no estimation error.
 
+The kernel's part covers exactly the keys beyond the window, so it is Scatterbrain's "low-rank minus its
+own restriction to the sparse support" already: φ(q_t)ᵀφ(k_j) summed over every key minus the same sum over
+the window's keys is, term by term, the sum beyond the window. ``control`` (β, :func:`hybrid`) adds a
+control variate (Zheng et al. 2023, "Efficient Attention via Control Variates"): the window's own kernel
+estimate, whose expectation (the exact window) is known here, corrects the estimate beyond it.
+
 Both parts are linear in L. Inside the window: blocks of C ≥ window queries
 against their own and neighbouring key blocks, O(L·C·(D + Dv)). Outside: the
 chunked causal pass over the keys delayed by ``window`` positions (keys
@@ -54,14 +60,21 @@ class HybridState(NamedTuple):
   segment: Array  # int32 [N]: the last segment id (see favor_decode_step)
 
 
-def merge(*terms):
+def merge(*terms, with_scale: bool = False):
   """Sums (num [..., Dv], den [...], log-scale [...]) terms, each the sum times e^{−scale}, on their
-  common largest scale; returns (num, den) on that scale. A −∞ scale is an empty term."""
+  common largest scale; returns (num, den) on that scale (and the scale, ``with_scale``). A −∞ scale is an
+  empty term."""
   top = state_lib.finite_or_zero(jax.lax.stop_gradient(jnp.max(jnp.stack([s for _, _, s in terms]), axis=0)))
   weights = [jnp.exp(jax.lax.stop_gradient(s) - top) for _, _, s in terms]  # 0 for an empty term
   num = sum(n * w[..., None] for (n, _, _), w in zip(terms, weights))
   den = sum(d * w for (_, d, _), w in zip(terms, weights))
-  return num, den
+  return (num, den, top) if with_scale else (num, den)
+
+
+def _times(term, coefficient):
+  """A (num, den, log-scale) term times ``coefficient`` [N, L, H] (may be negative)."""
+  num, den, scale = term
+  return num * coefficient[..., None], den * coefficient, scale
 
 
 def _exact(logits, allowed, v, spec):
@@ -140,27 +153,43 @@ def reverse_gate(start):
   return jnp.flip(jnp.where(ends, -jnp.inf, 0.0), axis=1)[..., None]
 
 
-def distant(features, q, k, v, mask, window: int, causal: bool, chunk_size: int, gate=None, start=None):
-  """The kernel part: keys with j ≤ t − w (and j ≥ t + w unless causal); (num, den, log-scale). ``gate``
-  [N, L, H] (causal) or ``start`` [N, L] (segment starts, not causal) as in :func:`side`."""
+def distant(features, q, k, v, mask, window: int, causal: bool, chunk_size: int, gate=None, start=None,
+            back: int | None = None):
+  """The kernel part: keys with j ≤ t − w (and j ≥ t + ``back`` unless causal; ``back`` None: w);
+  (num, den, log-scale). ``gate`` [N, L, H] (causal) or ``start`` [N, L] (segment starts, not causal) as in
+  :func:`side`. ``window=0, back=1``: every key a row may see."""
   if not causal and start is not None:
     gate = jnp.broadcast_to(jnp.where(start, -jnp.inf, 0.0)[..., None], q.shape[:3])
   terms = [side(features, q, k, v, mask, window, chunk_size, gate)]
   if not causal:
     rev = lambda x: None if x is None else jnp.flip(x, axis=1)
-    back = None if start is None else jnp.broadcast_to(reverse_gate(start), q.shape[:3])
-    terms.append(tuple(map(rev, side(features, *map(rev, (q, k, v, mask)), window, chunk_size, back))))
+    gate_back = None if start is None else jnp.broadcast_to(reverse_gate(start), q.shape[:3])
+    delay = window if back is None else back
+    terms.append(tuple(map(rev, side(features, *map(rev, (q, k, v, mask)), delay, chunk_size, gate_back))))
   return merge(*terms) + (jnp.max(jnp.stack([s for _, _, s in terms]), axis=0),)
 
 
-def hybrid(features, q, k, v, mask, window: int, causal: bool, chunk_size: int, gates=None):
+def hybrid(features, q, k, v, mask, window: int, causal: bool, chunk_size: int, gates=None, control=None,
+           with_scale: bool = False):
   """(num, den) of hybrid attention on one common per-row scale (inputs as in ``local``; ``gates`` a
-  ``gates.Gates``)."""
+  ``gates.Gates``; ``with_scale``: and that log-scale [N, L, H], num·e^{scale} being the unnormalised sum).
+
+  ``control``: None, or β broadcastable to [N, L, H] (one coefficient per head: [H]), the control variate's
+  coefficient. With Ŝ_A the kernel's estimate summed over the keys A, S_A the exact sum, W the window and F the
+  keys beyond it, the estimate is S_W + Ŝ_F − β·(Ŝ_W − S_W) = (1 + β)·(S_W + Ŝ_F) − β·Ŝ_{W∪F}: one more
+  chunked pass (every key, no delay). E[Ŝ_W] = S_W, so for any β fixed with respect to the random features it
+  is unbiased, weight by weight (each window weight's estimate (1 + β)·w − β·ŵ, each beyond ŵ).
+  """
   gate = None if gates is None else gates.log
   start = None if gates is None or causal else gates.start
   segment = None if start is None else gates_lib.segment_index(start)
-  return merge(local(q, k, v, mask, window, causal, gate, segment),
-               distant(features, q, k, v, mask, window, causal, chunk_size, gate, start))
+  near = local(q, k, v, mask, window, causal, gate, segment)
+  far = distant(features, q, k, v, mask, window, causal, chunk_size, gate, start)
+  if control is None:
+    return merge(near, far, with_scale=with_scale)
+  beta = jnp.broadcast_to(jnp.asarray(control, jnp.float32), q.shape[:3])
+  every = distant(features, q, k, v, mask, 0, causal, chunk_size, gate, start, back=1)
+  return merge(_times(near, 1 + beta), _times(far, 1 + beta), _times(every, -beta), with_scale=with_scale)
 
 
 def initial_state(features, q, v, window: int) -> HybridState:

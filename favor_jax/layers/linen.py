@@ -148,6 +148,8 @@ class FavorAttention(nn.MultiHeadDotProductAttention):
       every gate starts at σ(5) ≈ 0.993).
     alibi: causal only: ALiBi's fixed per-head gate log f = −m_h (``core.alibi_slopes``). With both, the
       log gates add.
+    control_variate: β of the hybrid's control variate (``core.hybrid_attention``), with a ``window`` only; 0:
+      the plain hybrid. Not with ``decode``.
 
   References:
     Choromanski et al. 2021, "Rethinking Attention with Performers" (ICLR).
@@ -172,6 +174,7 @@ class FavorAttention(nn.MultiHeadDotProductAttention):
   forget_gate: bool = False
   alibi: bool = False
   num_kv_heads: int | None = None
+  control_variate: float = 0.0
 
   @functools.cached_property
   def settings(self) -> FavorSettings:
@@ -188,7 +191,7 @@ class FavorAttention(nn.MultiHeadDotProductAttention):
         chunk_size=self.chunk_size, window=self.window, qk_head_dim=self.qk_head_dim,
         rho_momentum=self.rho_momentum, decode=self.decode, qk_transform=self.qk_transform, mesh=self.mesh,
         sequence_axis=self.sequence_axis, batch_axis=self.batch_axis, forget_gate=self.forget_gate,
-        alibi=self.alibi, precision=self.precision)
+        alibi=self.alibi, precision=self.precision, control_variate=self.control_variate)
 
   @functools.cached_property
   def kv_state(self) -> tuple[bool, str]:

@@ -123,6 +123,8 @@ class FavorAttention(nnx.MultiHeadAttention):
       the ``nnx.Linear`` ``forget_gate`` (weight zero, bias ``layers.gates.FORGET_GATE_BIAS`` at init).
     alibi: causal only: ALiBi's fixed gate log f = −m_h (``core.alibi_slopes``); with ``forget_gate``, the
       log gates add.
+    control_variate: β of the hybrid's control variate (``core.hybrid_attention``), with a ``window`` only; 0:
+      the plain hybrid. Not with ``decode``.
     rngs: ``nnx.Rngs`` for the parameters and the projection's draw.
     **flax_kwargs: the other arguments of ``nnx.MultiHeadAttention`` (``decode``, ``dropout_rate``,
       ``normalize_qk``, initialisers, dtypes, ``precision`` (of every dot: the projections and the attention
@@ -151,7 +153,8 @@ class FavorAttention(nnx.MultiHeadAttention):
                qk_head_dim: int | None = None, causal: bool = False, chunk_size: int = 64,
                causal_method: str = "auto", rho_momentum: float | None = None, mesh: Mesh | None = None,
                sequence_axis: str | None = None, batch_axis: str | None = None, qk_transform=None,
-               forget_gate: bool = False, alibi: bool = False, rngs: nnx.Rngs, **flax_kwargs):
+               forget_gate: bool = False, alibi: bool = False, control_variate: float = 0.0, rngs: nnx.Rngs,
+               **flax_kwargs):
     if "attention_fn" in flax_kwargs:
       raise ValueError("FavorAttention computes its own attention; do not pass attention_fn")
     check_num_kv_heads(flax_kwargs.get("num_kv_heads"), num_heads)
@@ -160,13 +163,14 @@ class FavorAttention(nnx.MultiHeadAttention):
         causal=causal, causal_method=causal_method, chunk_size=chunk_size, window=window, qk_head_dim=qk_head_dim,
         rho_momentum=rho_momentum, decode=flax_kwargs.get("decode", False), qk_transform=qk_transform, mesh=mesh,
         sequence_axis=sequence_axis, batch_axis=batch_axis, forget_gate=forget_gate, alibi=alibi,
-        precision=flax_kwargs.get("precision"))
+        precision=flax_kwargs.get("precision"), control_variate=control_variate)
     super().__init__(num_heads, in_features, qkv_features, out_features, rngs=rngs, **flax_kwargs)
     self.settings = settings
     self.kv_state = settings.kv_state(num_heads, flax_kwargs.get("num_kv_heads"))  # (exact, why not), checked once
     self.kernel = kernel
     self.projection_kind = settings.projection_kind
     self.window = window
+    self.control_variate = settings.control_variate
     self.causal = causal
     self.chunk_size = chunk_size
     self.causal_method = causal_method

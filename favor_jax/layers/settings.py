@@ -158,6 +158,22 @@ def check_sequence_parallel(mesh, sequence_axis, *, window, batch_axis=None) -> 
                      "or use window=0)")
 
 
+def check_control_variate(control_variate, window, decode, prefix: str = "") -> float:
+  """The hybrid's control-variate coefficient β (``core.hybrid_attention``): a finite real number, not 0 only
+  with a window > 0 and without decoding (the decode step keeps no estimate of the window's keys)."""
+  if isinstance(control_variate, bool) or not isinstance(control_variate, numbers.Real) or not np.isfinite(
+      control_variate):
+    raise ValueError(f"{prefix}control_variate must be a finite real number (the hybrid's control-variate "
+                     f"coefficient β; 0: none), got {control_variate!r}")
+  if control_variate and not window:
+    raise ValueError(f"{prefix}control_variate={control_variate!r} corrects a hybrid's estimate with its exact "
+                     f"window: it needs {prefix}window > 0")
+  if control_variate and decode:
+    raise ValueError(f"{prefix}control_variate={control_variate!r}: decoding (decode=True) runs the plain hybrid "
+                     "only; build the decoding layer with control_variate=0")
+  return float(control_variate)
+
+
 def check_num_kv_heads(num_kv_heads, num_heads) -> int:
   """The key/value heads of grouped-query attention: None (``num_heads``) or a positive int dividing
   ``num_heads`` (query head h reads key/value head ``h // (num_heads // num_kv_heads)``, as Flax's NNX
@@ -231,6 +247,8 @@ class FavorSettings:
     alibi: ALiBi's fixed per-head gate log f = −m_h (``core.alibi_slopes``), causal only.
     precision: of every dot of the attention core (the core functions' ``precision``; the layer's Flax
       ``precision``, which its projections take too), as its name; None: the backend's default.
+    control_variate: β of the hybrid's control variate (``core.hybrid_attention``; 0: the plain hybrid), with a
+      window only.
   """
   kernel: str | Callable[..., Any] = "positive"
   num_features: int | None = None
@@ -250,19 +268,20 @@ class FavorSettings:
   forget_gate: bool = False
   alibi: bool = False
   precision: str | None = None
+  control_variate: float = 0.0
 
   @classmethod
   def build(cls, *, kernel="positive", num_features=None, projection=None, per_head_projection=None,
             causal=False, causal_method="auto", chunk_size=64, window=0, qk_head_dim=None, rho_momentum=None,
             decode=False, qk_transform=None, mesh=None, sequence_axis=None, batch_axis=None,
-            forget_gate=False, alibi=False, precision=None, causal_at_call: bool = False,
+            forget_gate=False, alibi=False, precision=None, control_variate=0.0, causal_at_call: bool = False,
             unused_projection: str = "refuse", prefix: str = "") -> FavorSettings:
     """The settings of these arguments, each rule checked once (ValueError/TypeError naming the argument).
 
     Args:
       kernel, num_features, projection, per_head_projection, causal, causal_method, chunk_size, window,
         qk_head_dim, rho_momentum, decode, qk_transform, mesh, sequence_axis, batch_axis, forget_gate, alibi,
-        precision: the fields (``precision`` any ``jax.lax.PrecisionLike``, stored as its name)
+        precision, control_variate: the fields (``precision`` any ``jax.lax.PrecisionLike``, stored as its name)
         (``rho_momentum`` None: ``RHO_MOMENTUM`` where the layer keeps a statistic; ``decode`` None: False).
       causal_at_call: the call may still ask for causal attention (``make_attention_fn``'s ``is_causal``),
         so "pallas" and ``alibi`` are not refused for ``causal=False`` here: the call refuses them if still
@@ -291,6 +310,7 @@ class FavorSettings:
     check_qk_transform(qk_transform)
     check_gates(forget_gate, alibi, causal or causal_at_call, prefix)
     momentum = resolve_rho_momentum(rho_momentum, kernel, causal)
+    control_variate = check_control_variate(control_variate, window, decode, prefix)
     if unused_projection == "drop" and projection_role(kernel) != "random":
       num_features = projection = None
     return cls(kernel=kernel, num_features=num_features, projection=projection,
@@ -298,13 +318,14 @@ class FavorSettings:
                chunk_size=chunk_size, window=window, qk_head_dim=qk_head_dim, rho_momentum=momentum,
                decode=bool(decode), qk_transform=qk_transform, mesh=mesh, sequence_axis=sequence_axis,
                batch_axis=batch_axis, forget_gate=bool(forget_gate), alibi=bool(alibi),
-               precision=precision_lib.check(precision, prefix + "precision"))
+               precision=precision_lib.check(precision, prefix + "precision"), control_variate=control_variate)
 
   def check_decode_at_call(self) -> None:
     """NNX's ``decode=True`` given at the call to a layer built without it: what decoding cannot do with
     (a layer built with ``decode=True`` was checked when built)."""
     if not self.decode:
       check_decode(True, qk_transform=self.qk_transform, sequence_axis=self.sequence_axis)
+      check_control_variate(self.control_variate, self.window, True)
       check_causal_method(self.causal_method, DECODE_RUNS_CHUNKED, self.causal)
 
   @property

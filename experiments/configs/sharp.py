@@ -1,0 +1,53 @@
+"""Sharp attention at linear cost (issue 53): how many features, how small an exact window and which
+corrections bring gated FAVOR+ to the Forgetting Transformer (FoX) on Shakespeare, the forgetting study's setting
+(``forgetting.py``: no positions, packed plays, trained at L=128, evaluated at 128, 512 and 2048).
+
+Variants: FoX and softmax; gated FAVOR+ at M = 64, 128, 256, 512; exact windows of 1, 2, 4, 8 keys at M = 64 and
+256; the control-variate hybrid (``core.hybrid_attention(control_variate=...)``) against the plain hybrid at the
+same window; RFA's bounded logits and learned per-head q/k maps (``attention.qk_map``); two seeds each.
+
+    python -m experiments.main --config=experiments/configs/sharp.py --workdir=workdir/sharp
+    python -m experiments.main --config=experiments/configs/sharp.py:reduced \
+        --workdir=experiments/results/sharp_cpu
+    python -m experiments.main --config=experiments/configs/sharp.py:quick --workdir=/tmp/sharp
+
+``reduced`` is the one setting committed from a 2-core CPU (experiments/results/sharp_cpu): 150 steps, seed 0
+only, a subset of the variants; it is not the study.
+"""
+
+from experiments.configs import common, forgetting
+
+REDUCED = ("softmax_forget_gate,favor_m64,favor_m128,favor_m256,favor_m512,favor_m64_window1,favor_m64_window2,"
+           "favor_m64_window4,favor_m64_window8,favor_m256_window1,favor_m256_window4,favor_m64_window4_cv,"
+           "favor_m64_bounded,favor_m64_learned_qk")  # the reduced run's variants (seed 0)
+
+
+def get_config(arg=None):
+  """The study (the forgetting study's CPU model, 300 steps, two seeds); ``arg="reduced"``: the committed CPU
+  subset (150 steps, seed 0); ``arg="quick"``: a seconds-long smoke version."""
+  reduced = arg == "reduced"
+  config = forgetting.get_config(None if reduced else arg)  # model, data, steps and schedule of that study
+  config.config_name = "sharp"  # this file
+  favor = common.favor_variant
+  gated = lambda m, **more: favor("positive", forget_gate=True, num_features=m, **more)  # gated FAVOR+ at M
+  variants = [("softmax", {"attention.type": "softmax"}),  # exact softmax, no positions
+              ("softmax_forget_gate", {"attention.type": "softmax", "attention.forget_gate": True})]  # FoX
+  variants += [(f"favor_m{m}", gated(m)) for m in (64, 128, 256, 512)]  # item 1: the features lever
+  variants += [(f"favor_m{m}_window{w}", gated(m, window=w)) for m in (64, 256) for w in (1, 2, 4, 8)]  # item 2
+  # Item 3: the control-variate hybrid at window 4 (beta 0.1: larger ones inflate the error on random q, k,
+  # docs/estimators.md) against favor_m64_window4 (beta 0).
+  variants += [("favor_m64_window4_cv", gated(64, window=4, control_variate=0.1))]
+  # Item 5: RFA's bounded logits, and learned per-head maps of q, k before the positive features.
+  variants += [("favor_m64_bounded", gated(64, qk_map="bounded")),
+               ("favor_m64_learned_qk", gated(64, qk_map="learned"))]
+  config.variants = common.with_seeds(tuple(variants), (0, 1))  # seed 1 as NAME_seed1
+  config.only = ""  # every variant
+  if reduced:
+    config.train.steps = 150  # half the study's steps (2-core CPU budget)
+    config.train.warmup_steps = 15  # linear warmup steps
+    config.train.eval_every = 50  # steps between evaluations at the training length
+    config.train.checkpoint_every = 50  # steps between checkpoints
+    config.only = REDUCED  # seed 0 of a subset
+  if config.quick:
+    config.only = "softmax_forget_gate,favor_m64_window4_cv,favor_m64_bounded"  # a subset (--config.only)
+  return config
