@@ -107,7 +107,7 @@ def test_quick_study_reports_each_run_against_fox_on_its_own_activations(tmp_pat
   config = common.set_fields(sharp_config.get_config("quick"), {
       "data.text_dir": os.path.join(repo, "tests", "data", "shakespeare"), "data.valid_plays": ("tempest",)})
   records = main.run(config, str(tmp_path))
-  assert [r["name"] for r in records] == ["softmax_forget_gate", "favor_m64_window4_cv", "favor_m64_bounded"]
+  assert [r["name"] for r in records] == ["softmax_forget_gate", "favor_m64_window4", "favor_m64_bounded"]
   for r in records:
     assert np.isfinite([r["attention_entropy"], r["peak_logit"], r["peak_pair_sq"], r["own_error"]]).all()
     assert 0 < r["attention_entropy"] <= math.log(config.data.seq_len)
