@@ -79,7 +79,7 @@ def test_bad_control_variate_settings_are_refused(kwargs, match):
 def test_every_study_variant_passes_the_config_checks_and_is_labelled_apart():
   config = sharp_config.get_config()
   runs = sweep.variant_configs(config)
-  assert len(runs) == len(config.variants) == 2 * 17
+  assert len(runs) == len(config.variants) == 2 * 16
   labels = set()
   for name, c in runs:
     training.check_config(c)
@@ -88,7 +88,7 @@ def test_every_study_variant_passes_the_config_checks_and_is_labelled_apart():
     record = sweep.attention_fields(c)
     labels.add(sweep.setting({**record, "num_features": c.attention.num_features if c.attention.type == "favor"
                               else 0}))
-  assert len(labels) == 17  # every setting its own label (the control variate and the q/k maps named)
+  assert len(labels) == 16  # every setting its own label (the q/k maps named)
   reduced = sharp_config.get_config("reduced")
   assert reduced.train.steps == 150 and set(reduced.only.split(",")) <= {n for n, _ in runs}
   bad = dict(runs)["favor_m64"]
@@ -116,5 +116,5 @@ def test_quick_study_reports_each_run_against_fox_on_its_own_activations(tmp_pat
   assert bounded["peak_logit"] <= 1.1 * models.TEMPERATURE_INIT
   assert bounded["peak_pair_sq"] <= 4.4 * models.TEMPERATURE_INIT
   summary = (tmp_path / "summary.md").read_text()
-  assert "## Against FoX" in summary and "control variate 0.1" in summary and "qk bounded" in summary
+  assert "## Against FoX" in summary and "window 4" in summary and "qk bounded" in summary
   assert (tmp_path / "step_time.png").exists()
