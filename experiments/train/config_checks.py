@@ -95,14 +95,15 @@ def check_config(config) -> None:
          f"train.stop_after must be an int in [0, train.steps={t.steps}] (0 = run to the end), "
          f"got {t.stop_after!r}")
   tasks.check_data(config)
-  check_decodes(config)
 
 
 def check_decodes(config) -> None:
   """A causal LM's configuration can be sampled: the model ``experiments.generate`` decodes with (its key-value
   cache or its FAVOR layers' state) is traced for one of its blocks, init on one token then one decode step
   (shapes only: nothing is computed), so a configuration that trains but cannot decode is refused when training
-  starts, not after the whole run. Classifiers (no sampling) are not traced.
+  starts, not after the whole run. Classifiers (no sampling) are not traced. Not part of :func:`check_config`:
+  tracing a model may start JAX's backend, and a multi-host run must call ``jax.distributed.initialize`` first
+  (``experiments.main`` checks every config before that); ``training.train`` and a sweep's ``run`` call it.
 
   Raises:
     ValueError: naming the configuration and the decoder's own error.
@@ -119,7 +120,9 @@ def check_decodes(config) -> None:
     return model.apply(variables, tokens_B1, mutable=["cache"])
 
   try:
-    jax.eval_shape(init_and_step, jax.random.PRNGKey(0), jnp.zeros((1, 1), jnp.int32))
+    # Abstract arguments: a concrete key or array would start JAX's backend, and a multi-host run must call
+    # jax.distributed.initialize before that (experiments/main.py checks the config first).
+    jax.eval_shape(init_and_step, jax.ShapeDtypeStruct((2,), jnp.uint32), jax.ShapeDtypeStruct((1, 1), jnp.int32))
   except (ValueError, TypeError) as e:
     raise ValueError(f"attention.type={config.attention.type!r} with these settings trains but cannot be sampled "
                      f"(experiments.generate decodes it token by token): {e}") from None

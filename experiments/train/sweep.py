@@ -128,6 +128,8 @@ def _ceilings(records: list[dict]) -> list[str]:
 
 def run(config, progress, workdir) -> list[dict]:
   runs = variant_configs(config)
+  for _, c in runs:  # every variant can be sampled, checked before the first one trains
+    training.check_decodes(c)
   style = plotting.run_styles(name for name, _ in runs)
   results, stopped = [], []
   for i, (name, c) in enumerate(runs):

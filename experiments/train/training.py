@@ -43,14 +43,22 @@ from experiments.train.checkpointing import (
   run_fields,
   run_lock,
 )
-from experiments.train.config_checks import _count, check_batch_split, check_config, check_overrides_used, unused_fields
+from experiments.train.config_checks import (
+    _count,
+    check_batch_split,
+    check_config,
+    check_decodes,
+    check_overrides_used,
+    unused_fields,
+)
 from experiments.train.metrics import MetricsLog, checked_eval, make_eval, raise_if_nonfinite
 from experiments.train.sharding import idle_devices, make_mesh, place, put_batch, state_shardings
 from experiments.train.steps import TrainState, init_state, make_lr, make_optimizer, make_train_step, metric_sums
 
 __all__ = ["MAY_CHANGE_ON_RESUME", "NOT_OF_THE_RUN", "RUN_CONFIG", "TIMING_FIELDS", "Preempted", "Setup", "Stopped",
            "TrainState",
-           "_count", "build", "check_config", "check_overrides_used", "check_resumed_config", "init_state",
+           "_count", "build", "check_config", "check_decodes", "check_overrides_used", "check_resumed_config",
+           "init_state",
            "make_eval", "make_lr", "make_optimizer", "make_train_step", "metric_sums", "open_checkpoints",
            "record_run_config", "run_fields", "run_lock", "train", "unused_fields"]
 
@@ -146,6 +154,7 @@ def train(config, workdir: str, progress=print, init_params=None) -> tuple[list[
   its shards of every batch, all write their shards of each checkpoint, and process 0 writes the metrics.
   """
   check_config(config)
+  check_decodes(config)  # a model that trains but cannot be sampled stops here, not after its run
   workdir = paths.check_workdir(workdir, "the run directory")  # a local path, or a gs:// URL
   with run_lock(workdir, progress):
     return _train(config, workdir, progress, init_params)

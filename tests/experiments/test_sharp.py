@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from experiments.configs import common
 from experiments.configs import sharp as sharp_config
 from experiments.train import models, sweep, training
 from favor_jax.layers import linen as favor_linen
@@ -118,3 +119,12 @@ def test_quick_study_reports_each_run_against_fox_on_its_own_activations(tmp_pat
   summary = (tmp_path / "summary.md").read_text()
   assert "## Against FoX" in summary and "window 4" in summary and "qk bounded" in summary
   assert (tmp_path / "step_time.png").exists()
+
+
+def test_a_control_variate_model_is_refused_before_it_trains():
+  """A model that cannot be sampled (the control-variate hybrid: its decode step runs the plain hybrid) is refused
+  when training starts (issue 52's rule), naming the setting."""
+  config = common.set_fields(sharp_config.get_config("quick"), common.favor_variant(
+      "positive", forget_gate=True, num_features=16, window=4, control_variate=0.1))
+  with pytest.raises(ValueError, match=r"control_variate=0.1: decoding \(decode=True\) runs the plain hybrid only"):
+    training.check_decodes(config)

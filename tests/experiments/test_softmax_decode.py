@@ -67,7 +67,7 @@ def test_a_configuration_that_cannot_decode_is_refused_when_training_starts(monk
   """The forget-gated softmax LM passes the start's decoding check (it decodes); a layer whose decoding raises
   (as the softmax cache did for gates) stops ``training.train`` before anything is written."""
   config = common.set_fields(tiny_config.get_config(), {"attention.type": "softmax", "attention.forget_gate": True})
-  training.check_config(config)  # MQAR is a causal LM: the decoder of one block is traced
+  training.check_decodes(config)  # MQAR is a causal LM: the decoder of one block is traced, and it decodes
 
   def refuse(self, *args):
     raise ValueError("the softmax key-value cache decodes ungated models only")
