@@ -116,13 +116,15 @@ def test_program_traffic_counts_the_kernels_and_the_arrays_xla_moves_around_them
 def test_the_exported_fused_kernels_traffic_is_their_operands_and_results():
   """``favor_attention(..., causal_method="pallas")`` exported for TPU at a small shape (whatever its kernels'
   design): kernels in both programs, each kernel's bytes the sum of its types' bytes, the gradient program moving
-  more than the forward, and per-token bytes that do not depend on L (the linear pass's traffic is O(L))."""
+  more than the forward, and per-token bytes that do not depend on L (the linear pass's traffic is O(L); a
+  row's constant terms, the projection it reads and its per-row gradient, are amortised to a few percent from
+  L=512 at this small shape)."""
   shape = dict(batch=1, heads=2, head_dim=16, num_features=32)
-  short, long = (programs.export_traffic(n, **shape) for n in (256, 512))
+  short, long = (programs.export_traffic(n, **shape) for n in (512, 1024))
   for passes in ("fwd", "fwd_bwd"):
     kernels = short[passes]["kernels"]
     assert kernels and all(k["bytes"] == sum(map(_type_bytes, k["operands"] + k["results"])) for k in kernels)
-    tokens = shape["batch"] * shape["heads"] * 256
+    tokens = shape["batch"] * shape["heads"] * 512
     assert short[passes]["kernel_bytes_per_token"] == sum(k["bytes"] for k in kernels) / tokens
     assert short[passes]["bytes_per_token"] == pytest.approx(long[passes]["bytes_per_token"], rel=0.05)
     assert short[passes]["flops_per_token"] >= short[passes]["kernel_flops_per_token"] > 0
