@@ -16,21 +16,11 @@ from flax import nnx
 from favor_jax import core
 from favor_jax.layers import linen as flin
 from favor_jax.layers import nnx as fnnx
+from tests.layers.test_gqa_rotary_decode import rope  # rotary positions: decoding must place each token
 
 B, L, F, H, M = 2, 10, 16, 4, 16
 PROMPT = 6  # a prompt over two chunks of 4 (per query head, one head kept per group), then one token at a time
 HEADED = ("mu", "s", "keys", "values", "decay")  # the state's leaves with a head axis
-
-
-def rope(query, key, positions=None):
-  """Rotary embedding (positions: 0..L-1 unless given), so decoding must place each token."""
-  def rotate(x):
-    half = x.shape[-1] // 2
-    pos = jnp.arange(x.shape[-3]) if positions is None else positions
-    angle = pos[:, None].astype(jnp.float32) * 10000.0 ** (-jnp.arange(half) / half)
-    cos, sin = jnp.cos(angle)[:, None, :], jnp.sin(angle)[:, None, :]
-    return jnp.concatenate([x[..., :half] * cos - x[..., half:] * sin, x[..., :half] * sin + x[..., half:] * cos], -1)
-  return rotate(query), rotate(key)
 
 
 def _jiggle(params, scale=0.3):
