@@ -199,39 +199,27 @@ def summarize(records, config) -> str:
 
 
 def plot(records, config, workdir) -> list[str]:
+  """decode.png (latency and state against the prompt length) or, for the ``kv_heads`` sweep, decode_gqa.png
+  (the same against the number of key/value heads)."""
   if config.get("kv_heads", ()):
-    return _plot_gqa(records, config, workdir)
+    lengths = ", ".join(f"{n:,}" for n in config.prompt_lens)
+    return _plot(records, config, f"{workdir}/decode_gqa.png", "num_kv_heads", "key/value heads", f" (L = {lengths})")
+  return _plot(records, config, f"{workdir}/decode.png", "prompt_len", "prompt length L (tokens)", "")
+
+
+def _plot(records, config, path, x, xlabel, latency_note) -> list[str]:
+  """Per-token latency and state per sequence of each attention type against the records' field ``x``."""
   fig, (ax_t, ax_m) = plotting.subplots(1, 2, figsize=(10, 4))
   for attention_type in config.types:
-    rs = sorted((r for r in records if r["attention"] == attention_type), key=lambda r: r["prompt_len"])
+    rs = sorted((r for r in records if r["attention"] == attention_type), key=lambda r: r[x])
     label = {"favor": "FAVOR+ state", "softmax": "softmax KV cache"}[attention_type]
-    lengths = [r["prompt_len"] for r in rs]
-    ax_t.plot(lengths, [r["per_token_ms"] for r in rs], marker="o", label=label)
-    ax_m.plot(lengths, [r["state_bytes_per_sequence"] / 2**20 for r in rs], marker="o", label=label)
-  ax_t.set(xscale="log", yscale="log", xlabel="prompt length L (tokens)", ylabel="ms per decoded token",
-           title="Per-token decode latency")
-  ax_m.set(xscale="log", yscale="log", xlabel="prompt length L (tokens)", ylabel="MiB per sequence",
-           title="Decode state memory")
+    xs = [r[x] for r in rs]
+    ax_t.plot(xs, [r["per_token_ms"] for r in rs], marker="o", label=label)
+    ax_m.plot(xs, [r["state_bytes_per_sequence"] / 2**20 for r in rs], marker="o", label=label)
+  ax_t.set(xscale="log", yscale="log", xlabel=xlabel, ylabel="ms per decoded token",
+           title=f"Per-token decode latency{latency_note}")
+  ax_m.set(xscale="log", yscale="log", xlabel=xlabel, ylabel="MiB per sequence", title="Decode state memory")
   for ax in (ax_t, ax_m):
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-  return [plotting.save(fig, f"{workdir}/decode.png")]
-
-
-def _plot_gqa(records, config, workdir) -> list[str]:
-  fig, (ax_t, ax_m) = plotting.subplots(1, 2, figsize=(10, 4))
-  for attention_type in config.types:
-    rs = sorted((r for r in records if r["attention"] == attention_type), key=lambda r: r["num_kv_heads"])
-    label = {"favor": "FAVOR+ state", "softmax": "softmax KV cache"}[attention_type]
-    heads = [r["num_kv_heads"] for r in rs]
-    ax_t.plot(heads, [r["per_token_ms"] for r in rs], marker="o", label=label)
-    ax_m.plot(heads, [r["state_bytes_per_sequence"] / 2**20 for r in rs], marker="o", label=label)
-  lengths = ", ".join(f"{n:,}" for n in config.prompt_lens)
-  ax_t.set(xscale="log", yscale="log", xlabel="key/value heads", ylabel="ms per decoded token",
-           title=f"Per-token decode latency (L = {lengths})")
-  ax_m.set(xscale="log", yscale="log", xlabel="key/value heads", ylabel="MiB per sequence",
-           title="Decode state memory")
-  for ax in (ax_t, ax_m):
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-  return [plotting.save(fig, f"{workdir}/decode_gqa.png")]
+  return [plotting.save(fig, path)]
