@@ -37,6 +37,10 @@ FAST_COMPILE = ("--xla_backend_optimization_level=0", "--xla_llvm_disable_expens
 # `python -m pytest` 1323 s → 634 s on this project's 2-core machine). Only where this
 # jaxlib knows the flag: XLA aborts the process on an unknown one, so a child process tries it first.
 EMITTER = "--xla_cpu_use_fusion_emitters=false"
+# Each lowered operation carries the Python frames that made it (for XLA's error messages and profiles): none
+# for the test run (its errors are Python's own), 4% less time in tracing and lowering (tests/core/test_attention.py
+# and test_gates.py: 183 s -> 172 s, 2026-12-05). Set for the test run only, and passed to the processes it starts.
+LOCATIONS = "JAX_TRACEBACK_IN_LOCATIONS_LIMIT"
 
 
 def _xla_accepts(flag: str) -> bool:
@@ -57,6 +61,9 @@ def pytest_configure(config):
     if "--xla_cpu_use_fusion_emitters" not in flags and _xla_accepts(EMITTER):
       fast.append(EMITTER)
     os.environ["XLA_FLAGS"] = " ".join([flags, *fast]).strip()
+  if LOCATIONS not in os.environ:
+    os.environ[LOCATIONS] = "0"
+    jax.config.update("jax_traceback_in_locations_limit", 0)  # this process read the variable at import
   if CACHE_ENV not in os.environ:
     os.environ[CACHE_ENV] = config._favor_cache = tempfile.mkdtemp(prefix="favor_jax_compilation_cache_")
   jax.config.update("jax_compilation_cache_dir", os.environ[CACHE_ENV])  # this process read it at import

@@ -3,9 +3,8 @@ corrections bring gated FAVOR+ to the Forgetting Transformer (FoX) on Shakespear
 (``forgetting.py``: no positions, packed plays, trained at L=128, evaluated at 128, 512 and 2048).
 
 Variants: FoX and softmax; gated FAVOR+ at M = 64, 128, 256, 512; exact windows of 1, 2, 4, 8 keys at M = 64 and
-256; RFA's bounded logits and learned per-head q/k maps (``attention.qk_map``); two seeds each. The
-control-variate hybrid (``core.hybrid_attention(control_variate=...)``) is not among them: a model trained with
-it cannot yet decode (the decode step runs the plain hybrid), and training refuses such a model at its start.
+256; the control-variate hybrid (``core.hybrid_attention(control_variate=...)``, EVA) against the plain hybrid at
+the same window; RFA's bounded logits and learned per-head q/k maps (``attention.qk_map``); two seeds each.
 
     python -m experiments.main --config=experiments/configs/sharp.py --workdir=workdir/sharp
     python -m experiments.main --config=experiments/configs/sharp.py:reduced \
@@ -35,6 +34,9 @@ def get_config(arg=None):
               ("softmax_forget_gate", {"attention.type": "softmax", "attention.forget_gate": True})]  # FoX
   variants += [(f"favor_m{m}", gated(m)) for m in (64, 128, 256, 512)]  # item 1: the features lever
   variants += [(f"favor_m{m}_window{w}", gated(m, window=w)) for m in (64, 256) for w in (1, 2, 4, 8)]  # item 2
+  # Item 3: the control-variate hybrid at window 4 (β 0.1: larger ones inflate the error on random q, k,
+  # docs/estimators.md) against favor_m64_window4 (β 0).
+  variants += [("favor_m64_window4_cv", gated(64, window=4, control_variate=0.1))]
   # Item 5: RFA's bounded logits, and learned per-head maps of q, k before the positive features.
   variants += [("favor_m64_bounded", gated(64, qk_map="bounded")),
                ("favor_m64_learned_qk", gated(64, qk_map="learned"))]

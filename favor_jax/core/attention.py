@@ -199,7 +199,10 @@ def favor_attention(
     causal_method: the causal pass: ``"auto"`` (the fused kernel where lowered for a TPU or GPU and the
       kernel's features allow it, else ``"chunked"``), ``"chunked"`` (exact causal chunks with carried state,
       XLA), ``"pallas"`` (the same chunks as fused Pallas kernels, chosen where lowered: Mosaic on a TPU, Triton
-      on a GPU, interpreted on a CPU; ``chunk_size`` a power of two ≥ 16; first derivatives only),
+      on a GPU, interpreted on a CPU; ``chunk_size`` a power of two ≥ 16, run as that many rows on a GPU and a
+      CPU and rounded up to a multiple of 128 by Mosaic on a TPU, the lane width of its [C, C] products:
+      ``chunk_size=64`` runs chunks of 128 rows there, the same estimate with another summation order;
+      first derivatives only),
       ``"scan"`` (per-token recurrence) or ``"cumsum"`` (prefix states). ``"chunked"`` and ``"pallas"`` are
       reverse-mode only (JAX raises TypeError under ``jax.jvp``). Unused (``"pallas"`` refused) when not causal.
     chunk_size: C, the chunk length of the causal pass (checked, unused when not causal).

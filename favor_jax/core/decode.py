@@ -187,13 +187,16 @@ def favor_decode_step(
     log_gate: Float[Array, "... l H"] | None = None,
     segment_ids: Int[Array, "... l"] | None = None,
     precision: jax.lax.PrecisionLike = None,
+    control_variate: float | Float[Array, ""] | Float[Array, " H"] | None = None,
 ) -> tuple[state_lib.RecurrentState | hybrid_lib.HybridState, Float[Array, "... l H Dv"]]:
   """Continues causal FAVOR attention from ``state`` by l ≥ 1 tokens, with O(M·Dv) state per head.
 
   ``S ← S + φ(k_t)[v_t, 1]ᵀ``, ``out_t = φ(q_t)ᵀS[:, :Dv] / φ(q_t)ᵀS[:, Dv]`` (with the running stabiliser).
   One token costs O(M·(D+Dv)); a longer step (a prompt) runs the chunked algorithm. Steps over tokens 0..t
   give the outputs of ``favor_attention(..., causal=True)``; with ``window > 0`` those of
-  ``hybrid_attention(..., window=window, causal=True)`` (O(window·(D+Dv) + F·Dv) state; one token at a time).
+  ``hybrid_attention(..., window=window, causal=True)`` (O(window·(D+Dv) + F·Dv) state; one token at a time),
+  and with ``control_variate`` β those of ``hybrid_attention(..., control_variate=β)`` (the buffer's keys'
+  features recomputed each token: O(window·F·D) more work, no more state).
 
   ``log_gate``: the state (and a window's buffer) decays as in :func:`favor_attention`. ``segment_ids``: the
   state records the last id; a token whose id differs from the one before (also the state's) starts afresh.
@@ -223,17 +226,22 @@ def favor_decode_step(
     segment_ids: optional int [..., l], packed documents, as in :func:`~favor_jax.core.favor_attention`.
       A new id resets the state (the state records the last id): pass ids on every step or on none.
     precision: the precision of every dot product of the call, as in :func:`~favor_jax.core.favor_attention`.
+    control_variate: β of the hybrid's control variate, with a ``window`` only, as in
+      :func:`~favor_jax.core.hybrid_attention` (None or 0: the plain hybrid).
 
   Returns:
     ``(new_state, out)``: the state after these tokens (NaN once a non-finite key or value was seen) and
     the output, shape [..., l, H, Dv], in the inputs' dtype.
 
   Raises:
-    TypeError: if an input is not a floating array, or the state's leaves are not float32 (a cast cache).
+    TypeError: if an input is not a floating array, the state's leaves are not float32 (a cast cache), or
+      ``control_variate`` is neither a real number nor a floating array.
     ValueError: if the state's type or shapes do not fit these inputs (batch shape, heads, features, value
       size, window), for key/value heads that do not divide the query's or a state per key/value head that would
-      not be exact (a per-head projection, a data-dependent kernel, a gate per query head), or as
-      :func:`favor_attention` raises for shapes, kernel, ``rho``, ``chunk_size`` and ``precision``.
+      not be exact (a per-head projection, a data-dependent kernel, a gate per query head), as
+      :func:`favor_attention` raises for shapes, kernel, ``rho``, ``chunk_size`` and ``precision``, or as
+      :func:`hybrid_attention` raises for ``control_variate`` (not finite, another shape than () or [H], not 0
+      with ``window=0``).
   """
   groups = _groups(query, key, projection, kernel, "key")
   if groups > 1:  # checked on the key/value heads, then run on them repeated to the query's (as the full pass)
@@ -246,6 +254,7 @@ def favor_decode_step(
   inputs.validate(query, key, value, key_mask, True)
   chunk_size = checks.check_chunk_size(chunk_size)
   window = checks.check_window(window)
+  control = checks.check_control_variate(control_variate, window, query.shape[-2])
   features = _feature_fn(kernel, projection, rho, query, key, key_mask, True)
   batch = query.shape[:-3]
   want = jax.eval_shape(lambda *x: _state_batch(_empty_state(features, *(inputs.flatten(y, batch) for y in x),
@@ -267,7 +276,8 @@ def favor_decode_step(
                                           for f, x in (("mu", s.mu), ("s", s.s))})
     q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
     if window:
-      new, num, den = hybrid_lib.step(features, full._replace(recurrent=clean(recurrent)), q, k, v, mask, gate)
+      new, num, den = hybrid_lib.step(features, full._replace(recurrent=clean(recurrent)), q, k, v, mask, gate,
+                                      control)
       new = new._replace(recurrent=spoil(new.recurrent, seen), segment=segment)
       return state_lib.divide(num, den), _to_kv_heads(new, groups)
     if q.shape[1] == 1:  # one token: the keys' side on the state's own heads, G query rows read each

@@ -201,14 +201,17 @@ def initial_state(features, q, v, window: int) -> HybridState:
                      jnp.zeros((n,), jnp.int32))
 
 
-def step(features, state: HybridState, q, k, v, mask, gate=None):
+def step(features, state: HybridState, q, k, v, mask, gate=None, control=None):
   """Tokens one at a time: the key leaving the window joins the features, the new one the buffer.
 
   q, k [N, l, H, D], v [N, l, H, Dv] (finite), mask [N, l], ``gate`` [N, l, H] log forget gates (None: 0):
   each step the features' state and every slot's decay grow by g_t, and the key leaving the window joins
-  the state with its slot's decay. Returns (state, num, den) on a common scale.
+  the state with its slot's decay. ``control``: β (shape () or [H]) as in :func:`hybrid`: the row is
+  (1 + β)·S_W + Ŝ_F − β·Ŝ_W, Ŝ_W the kernel's estimate over the buffer's keys (their features computed here,
+  O(W·F) per token). Returns (state, num, den) on a common scale.
   """
   gate = jnp.zeros(q.shape[:3], jnp.float32) if gate is None else gate
+  beta = None if control is None else jnp.broadcast_to(jnp.asarray(control, jnp.float32), (q.shape[0], q.shape[2]))
   window = state.keys.shape[1]
   d = q.shape[-1]
 
@@ -227,9 +230,15 @@ def step(features, state: HybridState, q, k, v, mask, gate=None):
     logits = jnp.einsum("nhd,nwhd->nhw", q_t, state.keys) / math.sqrt(d) + jnp.swapaxes(state.decay, 1, 2)
     exact = _exact(logits, state.valid[:, None, :], state.values, "nhw,nwhe->nhe")
     fq = head_major(features, q_t[:, None], k_t[:, None])[0]
-    y, scale = state_lib.read_out(fq, recurrent, with_scale=True)
-    num, den = merge(exact, (y[..., 0, :-1], y[..., 0, -1], scale[..., 0]))
-    return state, (num, den)
+    row = lambda y, scale: (y[..., 0, :-1], y[..., 0, -1], scale[..., 0])  # [N, H, 1, E] -> one row's term
+    far = row(*state_lib.read_out(fq, recurrent, with_scale=True))
+    if beta is None:
+      return state, merge(exact, far)
+    fk_w = gates_lib.offset(head_major(features, state.keys[:, :0], state.keys)[1], jnp.swapaxes(state.decay, 1, 2))
+    own = state_lib.add_keys(state_lib.initial_state(features, q_t[:, None], q_t[:, None], state.values[:, :1]),
+                             fk_w, state.values, state.valid)  # the buffer's keys as a state of features
+    near_hat = row(*state_lib.read_out(fq, own, with_scale=True))
+    return state, merge(_times(exact, 1 + beta), far, _times(near_hat, -beta))
 
   t_major = lambda x: jnp.moveaxis(x, 1, 0)
   state, (num, den) = jax.lax.scan(one, state, tuple(map(t_major, (q, k, v, mask, gate))))

@@ -149,7 +149,7 @@ class FavorAttention(nn.MultiHeadDotProductAttention):
     alibi: causal only: ALiBi's fixed per-head gate log f = −m_h (``core.alibi_slopes``). With both, the
       log gates add.
     control_variate: β of the hybrid's control variate (``core.hybrid_attention``), with a ``window`` only; 0:
-      the plain hybrid. Not with ``decode``.
+      the plain hybrid. Decoding takes it too (``core.favor_decode_step``).
 
   References:
     Choromanski et al. 2021, "Rethinking Attention with Performers" (ICLR).
@@ -357,7 +357,8 @@ class FavorAttention(nn.MultiHeadDotProductAttention):
     state = state_type(*(c.value for c in cache))
     state, x = core.favor_decode_step(state, query, key, value, projection, kernel=self.kernel, key_mask=key_mask,
                                       rho=rho, chunk_size=self.chunk_size, window=self.window,
-                                      precision=settings.precision, **gates.gate_kwargs(log_gate, segment_ids))
+                                      precision=settings.precision, control_variate=settings.control_variate or None,
+                                      **gates.gate_kwargs(log_gate, segment_ids))
     for c, new in zip(cache, state):
       c.value = new
     return x

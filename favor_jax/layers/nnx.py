@@ -124,7 +124,7 @@ class FavorAttention(nnx.MultiHeadAttention):
     alibi: causal only: ALiBi's fixed gate log f = −m_h (``core.alibi_slopes``); with ``forget_gate``, the
       log gates add.
     control_variate: β of the hybrid's control variate (``core.hybrid_attention``), with a ``window`` only; 0:
-      the plain hybrid. Not with ``decode``.
+      the plain hybrid. Decoding takes it too (``core.favor_decode_step``).
     rngs: ``nnx.Rngs`` for the parameters and the projection's draw.
     **flax_kwargs: the other arguments of ``nnx.MultiHeadAttention`` (``decode``, ``dropout_rate``,
       ``normalize_qk``, initialisers, dtypes, ``precision`` (of every dot: the projections and the attention
@@ -360,7 +360,9 @@ class FavorAttention(nnx.MultiHeadAttention):
       state, x = core.favor_decode_step(self.decode_state.get_value(), query, key, value, projection,
                                         kernel=self.kernel, key_mask=key_mask, rho=rho,
                                         chunk_size=self.chunk_size, window=self.window,
-                                        precision=self.settings.precision, **gates.gate_kwargs(log_gate, segment_ids))
+                                        precision=self.settings.precision,
+                                        control_variate=self.settings.control_variate or None,
+                                        **gates.gate_kwargs(log_gate, segment_ids))
       self.decode_state.set_value(state)
     else:
       x = attend(query, key, value, projection, self.settings, key_mask=key_mask, query_mask=query_mask, rho=rho,

@@ -158,9 +158,9 @@ def check_sequence_parallel(mesh, sequence_axis, *, window, batch_axis=None) -> 
                      "or use window=0)")
 
 
-def check_control_variate(control_variate, window, decode, prefix: str = "") -> float:
+def check_control_variate(control_variate, window, prefix: str = "") -> float:
   """The hybrid's control-variate coefficient β (``core.hybrid_attention``): a finite real number, not 0 only
-  with a window > 0 and without decoding (the decode step keeps no estimate of the window's keys)."""
+  with a window > 0 (the decode step takes it too: ``core.favor_decode_step``)."""
   if isinstance(control_variate, bool) or not isinstance(control_variate, numbers.Real) or not np.isfinite(
       control_variate):
     raise ValueError(f"{prefix}control_variate must be a finite real number (the hybrid's control-variate "
@@ -168,9 +168,6 @@ def check_control_variate(control_variate, window, decode, prefix: str = "") -> 
   if control_variate and not window:
     raise ValueError(f"{prefix}control_variate={control_variate!r} corrects a hybrid's estimate with its exact "
                      f"window: it needs {prefix}window > 0")
-  if control_variate and decode:
-    raise ValueError(f"{prefix}control_variate={control_variate!r}: decoding (decode=True) runs the plain hybrid "
-                     "only; build the decoding layer with control_variate=0")
   return float(control_variate)
 
 
@@ -310,7 +307,7 @@ class FavorSettings:
     check_qk_transform(qk_transform)
     check_gates(forget_gate, alibi, causal or causal_at_call, prefix)
     momentum = resolve_rho_momentum(rho_momentum, kernel, causal)
-    control_variate = check_control_variate(control_variate, window, decode, prefix)
+    control_variate = check_control_variate(control_variate, window, prefix)
     if unused_projection == "drop" and projection_role(kernel) != "random":
       num_features = projection = None
     return cls(kernel=kernel, num_features=num_features, projection=projection,
@@ -325,7 +322,6 @@ class FavorSettings:
     (a layer built with ``decode=True`` was checked when built)."""
     if not self.decode:
       check_decode(True, qk_transform=self.qk_transform, sequence_axis=self.sequence_axis)
-      check_control_variate(self.control_variate, self.window, True)
       check_causal_method(self.causal_method, DECODE_RUNS_CHUNKED, self.causal)
 
   @property

@@ -93,10 +93,35 @@ def test_the_control_variate_hybrid_equals_the_explicit_float64_form(beta):
 def test_a_per_head_coefficient_is_each_head_with_its_own():
   q, k, v = (0.6 * x for x in _qkv(2))
   proj, g = _proj(), _log_gate()
-  both = core.hybrid_attention(q, k, v, proj, window=3, causal=True, log_gate=g, control_variate=jnp.array([0.2, -0.4]))
+  both = jax.jit(lambda *a: core.hybrid_attention(*a, window=3, causal=True, log_gate=g, control_variate=jnp.array(
+      [0.2, -0.4])))(q, k, v, proj)  # jitted: eagerly, each of the hybrid's operations compiles on its own
   for h, beta in enumerate((0.2, -0.4)):
     want = _explicit(q, k, v, proj, window=3, log_gate=g, beta=beta)
     np.testing.assert_allclose(np.asarray(both)[:, :, h], want[:, :, h], atol=5e-5)
+
+
+def test_decoding_with_the_control_variate_equals_the_explicit_float64_form():
+  """A prompt of 5 tokens then one token a step, gated and not, β shared or per head: each row is
+  (1 + β)·(exact window) + (features beyond) − β·(features over the window), normalised, as the float64 form."""
+  q, k, v = (0.6 * x for x in _qkv(1, length=9))
+  proj, g = _proj(), _log_gate(9)
+  step = jax.jit(lambda state, q, k, v, g, beta: core.favor_decode_step(state, q, k, v, proj, window=4, log_gate=g,
+                                                                        control_variate=beta))
+  for beta, gate in ((jnp.float32(0.3), None), (jnp.array([0.2, -0.4]), g)):
+    cut = lambda x, a, b: None if x is None else x[:, a:b]
+    empty = core.favor_decode_init(q[:, :1], v[:, :1], proj, window=4)
+    state, out = step(empty, *(cut(x, 0, 5) for x in (q, k, v, gate)), beta)  # a prompt of 5
+    outs = [out]
+    for t in range(5, 9):
+      state, out = step(state, *(cut(x, t, t + 1) for x in (q, k, v, gate)), beta)
+      outs.append(out)
+    got = np.asarray(jnp.concatenate(outs, axis=1), np.float64)
+    for h, b in enumerate(np.broadcast_to(np.asarray(beta), (H,))):
+      want = _explicit(q, k, v, proj, window=4, log_gate=gate, beta=float(b))
+      np.testing.assert_allclose(got[:, :, h], want[:, :, h], atol=5e-5, err_msg=f"beta={b} gated={gate is not None}")
+  with pytest.raises(ValueError, match="needs window > 0"):
+    core.favor_decode_step(core.favor_decode_init(q[:, :1], v[:, :1], proj), q[:, :1], k[:, :1], v[:, :1], proj,
+                           control_variate=0.5)
 
 
 def test_the_control_variate_limits_are_the_plain_hybrid_and_favor():
