@@ -6,27 +6,20 @@ Variants: FoX and softmax; gated FAVOR+ at M = 64, 128, 256, 512; exact windows 
 256; the control-variate hybrid (``core.hybrid_attention(control_variate=...)``, EVA) against the plain hybrid at
 the same window; RFA's bounded logits and learned per-head q/k maps (``attention.qk_map``); two seeds each.
 
-    python -m experiments.main --config=experiments/configs/sharp.py --workdir=workdir/sharp
-    python -m experiments.main --config=experiments/configs/sharp.py:reduced \
-        --workdir=experiments/results/sharp_cpu
+    python -m experiments.main --config=experiments/configs/sharp.py --workdir=experiments/results/sharp_cpu
     python -m experiments.main --config=experiments/configs/sharp.py:quick --workdir=/tmp/sharp
 
-``reduced`` is the one setting committed from a 2-core CPU (experiments/results/sharp_cpu): 150 steps, seed 0
-only, a subset of the variants; it is not the study.
+The study runs on a 2-core CPU in about an hour (34 runs of 300 steps); experiments/results/sharp_cpu holds it.
+A subset: ``--config.only=NAME,...`` (seed 1 of a variant is NAME_seed1).
 """
 
 from experiments.configs import common, forgetting
 
-REDUCED = ("softmax_forget_gate,favor_m64,favor_m128,favor_m256,favor_m512,favor_m64_window1,favor_m64_window2,"
-           "favor_m64_window4,favor_m64_window8,favor_m256_window1,favor_m256_window4,"
-           "favor_m64_bounded,favor_m64_learned_qk")  # the reduced run's variants (seed 0)
-
 
 def get_config(arg=None):
-  """The study (the forgetting study's CPU model, 300 steps, two seeds); ``arg="reduced"``: the committed CPU
-  subset (150 steps, seed 0); ``arg="quick"``: a seconds-long smoke version."""
-  reduced = arg == "reduced"
-  config = forgetting.get_config(None if reduced else arg)  # model, data, steps and schedule of that study
+  """The study (the forgetting study's CPU model, 300 steps, two seeds); ``arg="quick"``: a seconds-long smoke
+  version."""
+  config = forgetting.get_config(arg)  # model, data, steps and schedule of that study
   config.config_name = "sharp"  # this file
   favor = common.favor_variant
   gated = lambda m, **more: favor("positive", forget_gate=True, num_features=m, **more)  # gated FAVOR+ at M
@@ -42,12 +35,6 @@ def get_config(arg=None):
                ("favor_m64_learned_qk", gated(64, qk_map="learned"))]
   config.variants = common.with_seeds(tuple(variants), (0, 1))  # seed 1 as NAME_seed1
   config.only = ""  # every variant
-  if reduced:
-    config.train.steps = 150  # half the study's steps (2-core CPU budget)
-    config.train.warmup_steps = 15  # linear warmup steps
-    config.train.eval_every = 50  # steps between evaluations at the training length
-    config.train.checkpoint_every = 50  # steps between checkpoints
-    config.only = REDUCED  # seed 0 of a subset
   if config.quick:
     config.only = "softmax_forget_gate,favor_m64_window4,favor_m64_bounded"  # a subset (--config.only)
   return config
