@@ -208,7 +208,7 @@ def step(features, state: HybridState, q, k, v, mask, gate=None, control=None):
   each step the features' state and every slot's decay grow by g_t, and the key leaving the window joins
   the state with its slot's decay. ``control``: β (shape () or [H]) as in :func:`hybrid`: the row is
   (1 + β)·S_W + Ŝ_F − β·Ŝ_W, Ŝ_W the kernel's estimate over the buffer's keys (their features computed here,
-  O(W·F) per token). Returns (state, num, den) on a common scale.
+  O(W·F·D) per token). Returns (state, num, den) on a common scale.
   """
   gate = jnp.zeros(q.shape[:3], jnp.float32) if gate is None else gate
   beta = None if control is None else jnp.broadcast_to(jnp.asarray(control, jnp.float32), (q.shape[0], q.shape[2]))

@@ -41,6 +41,6 @@ def attend(query, key, value, projection, settings: FavorSettings, *, causal: bo
                                                 **kwargs)
   if settings.window:
     return core.hybrid_attention(query, key, value, projection, window=settings.window, query_mask=query_mask,
-                                 control_variate=settings.control_variate or None, **kwargs)
+                                 control_variate=settings.control_variate, **kwargs)
   return core.favor_attention(query, key, value, projection, causal_method=settings.causal_method,
                               query_mask=query_mask, **kwargs)

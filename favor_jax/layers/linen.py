@@ -357,7 +357,7 @@ class FavorAttention(nn.MultiHeadDotProductAttention):
     state = state_type(*(c.value for c in cache))
     state, x = core.favor_decode_step(state, query, key, value, projection, kernel=self.kernel, key_mask=key_mask,
                                       rho=rho, chunk_size=self.chunk_size, window=self.window,
-                                      precision=settings.precision, control_variate=settings.control_variate or None,
+                                      precision=settings.precision, control_variate=settings.control_variate,
                                       **gates.gate_kwargs(log_gate, segment_ids))
     for c, new in zip(cache, state):
       c.value = new

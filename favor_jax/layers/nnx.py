@@ -361,7 +361,7 @@ class FavorAttention(nnx.MultiHeadAttention):
                                         kernel=self.kernel, key_mask=key_mask, rho=rho,
                                         chunk_size=self.chunk_size, window=self.window,
                                         precision=self.settings.precision,
-                                        control_variate=self.settings.control_variate or None,
+                                        control_variate=self.settings.control_variate,
                                         **gates.gate_kwargs(log_gate, segment_ids))
       self.decode_state.set_value(state)
     else:
