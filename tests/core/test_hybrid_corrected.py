@@ -39,17 +39,22 @@ def _log_gate(length=L):
 def _explicit(q, k, v, proj, *, window, log_gate=None, beta=0.0, mask=None):
   """Causal hybrid in float64 from the papers' formulas: the weight of key j ≤ t is e^{q·k/√d} (exact, j within
   the window) corrected to (1 + β)·e^{q·k/√d} − β·φ(q)ᵀφ(k), or φ(q)ᵀφ(k) beyond it, times e^{Σ_{j<l≤t} log f_l};
-  normalised over the unmasked keys j ≤ t. Returns the output [B, t, H, Dv]."""
-  exact = np.exp(log_pair_weights("softmax", q, k)[0])  # [B, H, t, j]
-  kernel = np.exp(log_pair_weights("positive", q, k, proj)[0])
+  normalised over the unmasked keys j ≤ t. Each row's weights are taken relative to its largest log weight
+  (a common factor the normalisation cancels), so inputs ×20 do not overflow float64. Returns the output
+  [B, t, H, Dv]."""
+  exact, kernel = log_pair_weights("softmax", q, k)[0], log_pair_weights("positive", q, k, proj)[0]  # [B, H, t, j]
   t, j = np.arange(q.shape[1])[:, None], np.arange(k.shape[1])[None, :]
   near = (t - j >= 0) & (t - j < window)
-  w = np.where(near, (1 + beta) * exact - beta * kernel, kernel)
   if log_gate is not None:
     c = np.cumsum(np.moveaxis(np.asarray(log_gate, np.float64), 2, 1), -1)  # [B, H, L]
-    w = w * np.exp(np.where(t >= j, c[..., :, None] - c[..., None, :], 0.0))
+    decay = np.where(t >= j, c[..., :, None] - c[..., None, :], 0.0)
+    exact, kernel = exact + decay, kernel + decay
   allowed = (t >= j) & (True if mask is None else np.asarray(mask)[:, None, None, :])
-  w = np.where(allowed, w, 0.0)
+  used = np.where(near, np.maximum(exact, kernel), kernel)  # the log weights a row's terms are made of
+  peak = np.max(np.where(allowed, used, -np.inf), -1, keepdims=True)
+  peak = np.where(np.isfinite(peak), peak, 0.0)
+  exact, kernel = np.exp(exact - peak), np.exp(kernel - peak)
+  w = np.where(allowed, np.where(near, (1 + beta) * exact - beta * kernel, kernel), 0.0)
   den = w.sum(-1, keepdims=True)
   return np.einsum("bhtj,bjhe->bthe", w / np.where(den == 0, 1.0, den), np.asarray(v, np.float64))
 
@@ -79,15 +84,22 @@ def test_small_windows_equal_the_explicit_float64_form(window):
   assert np.abs(_explicit(q, k, v, proj, window=0) - _explicit(q, k, v, proj, window=window)).max() > 1e-3
 
 
-@pytest.mark.parametrize("beta", [0.3, -0.5])
-def test_the_control_variate_hybrid_equals_the_explicit_float64_form(beta):
-  q, k, v = (0.6 * x for x in _qkv(1))  # small logits: every denominator stays positive
+@pytest.mark.parametrize("beta,dtype", [(0.3, jnp.float32), (-0.5, jnp.float32), (0.3, jnp.bfloat16)],
+                         ids=["0.3-f32", "-0.5-f32", "0.3-bf16"])
+def test_the_control_variate_hybrid_equals_the_explicit_float64_form(beta, dtype):
+  """Windows of 1 to 6, chunks shorter and longer, gated and not, inputs ×0.6 to ×20 in float32 and bfloat16,
+  against the float64 form at the same rounded inputs."""
+  q0, k0, v0 = _qkv(1)
   proj = _proj()
-  for window, chunk in ((1, 4), (4, 4), (6, 16)):
-    for g in (None, _log_gate()):
-      got = np.asarray(_hybrid(window, chunk, beta)(q, k, v, proj, g, None), np.float64)
-      want = _explicit(q, k, v, proj, window=window, log_gate=g, beta=beta)
-      np.testing.assert_allclose(got, want, atol=5e-5, err_msg=f"window={window} gated={g is not None}")
+  f32 = lambda x: x.astype(jnp.float32)  # the rounded inputs, exactly
+  atol = 5e-5 if dtype == jnp.float32 else 2e-2  # bfloat16: the output's own rounding, 2^-8 of values ~1
+  for scale in (0.6, 4.0, 20.0):
+    q, k, v = (scale * q0).astype(dtype), (scale * k0).astype(dtype), v0.astype(dtype)
+    for window, chunk in ((1, 4), (4, 4), (6, 16)):
+      for g in (None, _log_gate()):
+        got = np.asarray(_hybrid(window, chunk, beta)(q, k, v, proj, g, None), np.float64)
+        want = _explicit(f32(q), f32(k), f32(v), proj, window=window, log_gate=g, beta=beta)
+        np.testing.assert_allclose(got, want, atol=atol, err_msg=f"scale={scale} window={window} gated={g is not None}")
 
 
 def test_a_per_head_coefficient_is_each_head_with_its_own():
@@ -100,25 +112,32 @@ def test_a_per_head_coefficient_is_each_head_with_its_own():
     np.testing.assert_allclose(np.asarray(both)[:, :, h], want[:, :, h], atol=5e-5)
 
 
-def test_decoding_with_the_control_variate_equals_the_explicit_float64_form():
-  """A prompt of 5 tokens then one token a step, gated and not, β shared or per head: each row is
-  (1 + β)·(exact window) + (features beyond) − β·(features over the window), normalised, as the float64 form."""
-  q, k, v = (0.6 * x for x in _qkv(1, length=9))
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_decoding_with_the_control_variate_equals_the_explicit_float64_form(dtype):
+  """A prompt of 5 tokens then one token a step, gated and not, β shared or per head, inputs ×1 to ×20 in
+  float32 and bfloat16: each row is (1 + β)·(exact window) + (features beyond) − β·(features over the window),
+  normalised, as the float64 form at the same rounded inputs."""
+  q0, k0, v0 = _qkv(1, length=9)
   proj, g = _proj(), _log_gate(9)
   step = jax.jit(lambda state, q, k, v, g, beta: core.favor_decode_step(state, q, k, v, proj, window=4, log_gate=g,
                                                                         control_variate=beta))
-  for beta, gate in ((jnp.float32(0.3), None), (jnp.array([0.2, -0.4]), g)):
-    cut = lambda x, a, b: None if x is None else x[:, a:b]
-    empty = core.favor_decode_init(q[:, :1], v[:, :1], proj, window=4)
-    state, out = step(empty, *(cut(x, 0, 5) for x in (q, k, v, gate)), beta)  # a prompt of 5
-    outs = [out]
-    for t in range(5, 9):
-      state, out = step(state, *(cut(x, t, t + 1) for x in (q, k, v, gate)), beta)
-      outs.append(out)
-    got = np.asarray(jnp.concatenate(outs, axis=1), np.float64)
-    for h, b in enumerate(np.broadcast_to(np.asarray(beta), (H,))):
-      want = _explicit(q, k, v, proj, window=4, log_gate=gate, beta=float(b))
-      np.testing.assert_allclose(got[:, :, h], want[:, :, h], atol=5e-5, err_msg=f"beta={b} gated={gate is not None}")
+  f32 = lambda x: x.astype(jnp.float32)  # the rounded inputs, exactly
+  atol = 5e-5 if dtype == jnp.float32 else 2e-2  # bfloat16: the output's own rounding, 2^-8 of values ~1
+  for scale in (0.6, 4.0, 20.0):
+    q, k, v = (scale * q0).astype(dtype), (scale * k0).astype(dtype), v0.astype(dtype)
+    for beta, gate in ((jnp.float32(0.3), None), (jnp.array([0.2, -0.4]), g)):
+      cut = lambda x, a, b: None if x is None else x[:, a:b]
+      empty = core.favor_decode_init(q[:, :1], v[:, :1], proj, window=4)
+      state, out = step(empty, *(cut(x, 0, 5) for x in (q, k, v, gate)), beta)  # a prompt of 5
+      outs = [out]
+      for t in range(5, 9):
+        state, out = step(state, *(cut(x, t, t + 1) for x in (q, k, v, gate)), beta)
+        outs.append(out)
+      got = np.asarray(jnp.concatenate(outs, axis=1), np.float64)
+      for h, b in enumerate(np.broadcast_to(np.asarray(beta), (H,))):
+        want = _explicit(f32(q), f32(k), f32(v), proj, window=4, log_gate=gate, beta=float(b))
+        np.testing.assert_allclose(got[:, :, h], want[:, :, h], atol=atol,
+                                   err_msg=f"scale={scale} beta={b} gated={gate is not None}")
   with pytest.raises(ValueError, match="needs window > 0"):
     core.favor_decode_step(core.favor_decode_init(q[:, :1], v[:, :1], proj), q[:, :1], k[:, :1], v[:, :1], proj,
                            control_variate=0.5)
