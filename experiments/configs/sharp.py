@@ -9,7 +9,8 @@ the same window; RFA's bounded logits and learned per-head q/k maps (``attention
     python -m experiments.main --config=experiments/configs/sharp.py --workdir=experiments/results/sharp_cpu
     python -m experiments.main --config=experiments/configs/sharp.py:quick --workdir=/tmp/sharp
 
-The study took 85 minutes on a 2-core CPU as two streams of runs (34 runs of 300 steps); experiments/results/sharp_cpu holds it.
+The study took 85 minutes on a 2-core CPU as two streams of runs (34 runs of 300 steps);
+experiments/results/sharp_cpu holds it.
 A subset: ``--config.only=NAME,...`` (seed 1 of a variant is NAME_seed1).
 """
 
