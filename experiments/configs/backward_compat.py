@@ -28,6 +28,9 @@ def get_config(arg=None):
   config.finetune.distill_steps = 300  # learned feature maps (Hedgehog): Adam steps distilling each layer's map
   config.finetune.distill_lr = 1e-2  # their learning rate
   config.finetune.distill_batches = 2  # training batches (of train.batch_size) the distillation fits on
+  # "cross_entropy": the attention weights' (Hedgehog); "output_mse": the outputs' squared error (LoLCATs)
+  config.finetune.distill_objective = "cross_entropy"
+  config.finetune.distill_decay = False  # also fit a per-head decay (needs attention.forget_gate: its start)
   # Each variant fine-tunes from the pretrained softmax weights; "softmax_control" keeps softmax attention.
   window = 16 if quick else 64  # hybrids' exact window: L/8
   favor = common.favor_variant

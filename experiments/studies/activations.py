@@ -131,28 +131,40 @@ def fitted_rows(kernel: str, features: int) -> int:
   return rows
 
 
-def fit_map(kernel, rows, q_fit, k_fit, steps, lr, key, init=None):
+def fit_map(kernel, rows, q_fit, k_fit, steps, lr, key, init=None, *, v_fit=None, objective="cross_entropy",
+            window=0, gate_bias=None):
   """A per-head map [H, R, D] for ``kernel`` fitted by distillation (causal) on ``q_fit``, ``k_fit`` (Adam,
-  ``steps``), from ``init`` or unit-norm orthogonal rows; returns it and its final loss."""
+  ``steps``), from ``init`` or unit-norm orthogonal rows; returns it, the fitted gate bias (or None) and the
+  final loss.
+
+  ``objective``, ``window``: ``layers.distillation_loss``'s (``output_mse`` needs ``v_fit``). ``gate_bias``
+  [H]: fit a constant per-head forget gate with the map, log f_h = log σ(b_h) from b = ``gate_bias`` (the
+  bias of a FoX gate whose weight is zero: a swapped-in gated model starts from the fitted decay)."""
   heads, dim = q_fit.shape[-2:]
   if init is None:
     draw = core.draw_projection(key, "orthogonal", rows, dim)
     init = draw / jnp.linalg.norm(draw, axis=-1, keepdims=True)  # unit rows: the identity's scale
-  map_HRD = jnp.broadcast_to(init, (heads, rows, dim)).astype(jnp.float32)
+  fitted = {"map": jnp.broadcast_to(init, (heads, rows, dim)).astype(jnp.float32)}
+  if gate_bias is not None:
+    fitted["gate_bias"] = jnp.asarray(gate_bias, jnp.float32)
   optimizer = optax.adam(lr)
-  # q and k are arguments, not closed over: XLA would constant-fold the attention weights of constants.
-  loss = lambda w, q, k: layers.distillation_loss(q, k, w, kernel=kernel, causal=True)
+
+  # q, k, v are arguments, not closed over: XLA would constant-fold the attention weights of constants.
+  def loss(w, q, k, v):
+    decay = jax.nn.log_sigmoid(w["gate_bias"]) if "gate_bias" in w else None
+    return layers.distillation_loss(q, k, w["map"], kernel=kernel, causal=True, objective=objective, value=v,
+                                    log_decay=decay, window=window)
 
   @jax.jit
-  def step(w, opt_state, q, k):
-    grads = jax.grad(loss)(w, q, k)
+  def step(w, opt_state, q, k, v):
+    grads = jax.grad(loss)(w, q, k, v)
     updates, opt_state = optimizer.update(grads, opt_state)
     return optax.apply_updates(w, updates), opt_state
 
-  opt_state = optimizer.init(map_HRD)
+  opt_state = optimizer.init(fitted)
   for _ in range(steps):
-    map_HRD, opt_state = step(map_HRD, opt_state, q_fit, k_fit)
-  return map_HRD, float(jax.jit(loss)(map_HRD, q_fit, k_fit))
+    fitted, opt_state = step(fitted, opt_state, q_fit, k_fit, v_fit)
+  return fitted["map"], fitted.get("gate_bias"), float(jax.jit(loss)(fitted, q_fit, k_fit, v_fit))
 
 
 def errors(q, k, v, projection, kernel, rho, window):
@@ -202,7 +214,7 @@ def run(config, progress=print, workdir=None):
         fit_loss = float("nan")
         if how == "fitted":
           rows = fitted_rows(kernel, features)
-          fitted, fit_loss = fit_map(kernel, rows, q_fit[:config.fit_sequences], k_fit[:config.fit_sequences],
+          fitted, _, fit_loss = fit_map(kernel, rows, q_fit[:config.fit_sequences], k_fit[:config.fit_sequences],
                                      config.fit_steps, config.fit_lr, key)
           projections = [fitted]
         else:

@@ -10,7 +10,10 @@ A kernel with a learned feature map (Hedgehog) gets the softmax weights plus
 its map at the identity, then, before fine-tuning, each layer's map is
 distilled against the frozen softmax model's own attention weights on training
 batches (Zhang et al. 2024; ``layers.distillation_loss``): the loss is reported
-right after the swap, after distillation and after fine-tuning.
+right after the swap, after distillation and after fine-tuning. ``finetune.distill_objective`` picks the
+weights' cross-entropy (Hedgehog) or the outputs' squared error (LoLCATs' attention transfer), fitted with the
+variant's own exact window; ``finetune.distill_decay`` also fits a constant per-head decay, which a gated
+variant (``attention.forget_gate``) starts its forget gate from (the gate's bias; its weight is zero).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from experiments import tasks
 from experiments.studies import activations
 from experiments.train import plotting, sweep, training
 from favor_jax import layers
+from favor_jax.layers import distillation
 
 
 def check_finetune(f) -> None:
@@ -38,6 +42,11 @@ def check_finetune(f) -> None:
   for name in ("lr", "distill_lr"):
     if not f[name] > 0:
       raise ValueError(f"finetune.{name} must be > 0, got {f[name]!r}")
+  if f.distill_objective not in distillation.OBJECTIVES:
+    raise ValueError(f"finetune.distill_objective must be one of {distillation.OBJECTIVES}, got "
+                     f"{f.distill_objective!r}")
+  if not isinstance(f.distill_decay, bool):
+    raise TypeError(f"finetune.distill_decay must be a bool, got {f.distill_decay!r}")
 
 
 def phase_configs(config):
@@ -50,6 +59,10 @@ def phase_configs(config):
     del pretrain["finetune"]  # not the pretraining's: changing it must not stop that run from resuming
   finetunes = []
   for name, c in sweep.variant_configs(config):
+    check_finetune(c.finetune)  # a variant may set its own distillation
+    if c.finetune.distill_decay and not (c.attention.type == "favor" and c.attention.forget_gate):
+      raise ValueError(f"variant {name!r}: finetune.distill_decay=True fits a decay that the model's forget gate "
+                       "starts from; it needs attention.type='favor' with attention.forget_gate=True")
     c.train.steps, c.train.lr = config.finetune.steps, config.finetune.lr
     c.train.warmup_steps = config.finetune.warmup_steps
     c.train.eval_every = c.train.log_every = config.finetune.eval_every
@@ -66,7 +79,8 @@ def unread(config) -> dict:
   if learned:
     return {}
   why = "no selected variant has a learned feature map to distill (e.g. hedgehog)"
-  return {f"finetune.{f}": why for f in ("distill_steps", "distill_lr", "distill_batches")}
+  fields = ("distill_steps", "distill_lr", "distill_batches", "distill_objective", "distill_decay")
+  return {f"finetune.{f}": why for f in fields}
 
 
 def runs(config) -> list[tuple[str, str, object]]:
@@ -90,19 +104,28 @@ def eval_loss(c, params) -> float:
   return float(training.make_eval(run.model, run.task, run.mesh)(run.state)["eval_loss"])
 
 
-def distill(c, params, pretrain, pretrained, finetune, progress):
-  """``params`` with each layer's learned feature map fitted (``finetune.distill_steps`` Adam steps) to the
-  pretrained softmax model's causal attention weights on the first ``finetune.distill_batches`` training
-  batches."""
+def distill(c, params, pretrain, pretrained, progress):
+  """``params`` with each layer's learned feature map fitted (``c.finetune.distill_steps`` Adam steps, its
+  ``distill_objective``, the variant's window) to the pretrained softmax model's causal attention on the first
+  ``distill_batches`` training batches; with ``distill_decay``, also the forget gate's bias (a constant
+  per-head decay)."""
+  f = c.finetune
   task = tasks.make_task(c)
-  batches = [task.train_batch(i) for i in range(finetune.distill_batches)]
+  batches = [task.train_batch(i) for i in range(f.distill_batches)]
   params = jax.tree.map(lambda x: x, params)
-  for i, (q, k, _) in enumerate(activations.capture(pretrain, pretrained, batches)):
+  for i, (q, k, v) in enumerate(activations.capture(pretrain, pretrained, batches)):
     attention = params[f"block_{i}"]["attention"]
     start = attention["feature_map"]
-    attention["feature_map"], loss = activations.fit_map(
-        c.attention.kernel, start.shape[-2], q, k, finetune.distill_steps, finetune.distill_lr, None, init=start)
-    progress(f"layer {i}: feature map distilled, cross-entropy to softmax {loss:.4f}")
+    gate = attention["forget_gate"]["bias"] if f.distill_decay else None
+    attention["feature_map"], fitted_gate, loss = activations.fit_map(
+        c.attention.kernel, start.shape[-2], q, k, f.distill_steps, f.distill_lr, None, init=start,
+        v_fit=v if f.distill_objective == "output_mse" else None, objective=f.distill_objective,
+        window=c.attention.window, gate_bias=gate)
+    said = ""
+    if fitted_gate is not None:
+      attention["forget_gate"]["bias"] = fitted_gate.astype(gate.dtype)
+      said = f", per-head decay log f = {[round(float(x), 3) for x in jax.nn.log_sigmoid(fitted_gate)]}"
+    progress(f"layer {i}: feature map distilled, {f.distill_objective} to softmax {loss:.4f}{said}")
   return params
 
 
@@ -119,15 +142,17 @@ def run(config, progress, workdir) -> list[dict]:
     if c.attention.type == "favor" and layers.projection_role(c.attention.kernel) == "learned":
       params = swapped_params(c, state.params)
       after_swap = eval_loss(c, params)
-      params = distill(c, params, pretrain, jax.device_get(state.params), config.finetune,
-                       lambda m, n=name: progress(f"{n} {m}"))
+      params = distill(c, params, pretrain, jax.device_get(state.params), lambda m, n=name: progress(f"{n} {m}"))
     runs, _ = training.train(c, os.path.join(workdir, name), lambda m, n=name: progress(f"{n} {m}"),
                              init_params=params)
     evals = [r for r in runs if r["kind"] == "eval"]
     if after_swap is not None:
       after_distill = evals[0]["eval_loss"]
     a = c.attention
+    distilled = after_swap is not None
     out.append(dict(name=name, attention=a.type, kernel=a.kernel if a.type == "favor" else "",
+                    distill_objective=c.finetune.distill_objective if distilled else "",
+                    distill_decay=bool(distilled and c.finetune.distill_decay),
                     setting=sweep.setting(sweep.attention_fields(c)),
                     num_features=a.num_features if a.type == "favor" else 0,
                     pretrain_steps=pretrain.train.steps, finetune_steps=c.train.steps,
@@ -145,12 +170,13 @@ def summarize(records, config) -> str:
            f"{records[0]['softmax_eval_loss']:.4f}. Learned feature maps are distilled against the frozen "
            f"model's attention ({config.finetune.distill_steps} steps on {config.finetune.distill_batches} "
            "training batches) before fine-tuning.\n",
-           "| run | attention | eval loss right after swap | after distillation | after fine-tune "
-           "| fine-tune steps | vs softmax before | vs softmax control |", "|" + "---|" * 8]
+           "| run | attention | distillation | eval loss right after swap | after distillation | after fine-tune "
+           "| fine-tune steps | vs softmax before | vs softmax control |", "|" + "---|" * 9]
   for r in records:
     distilled = r.get("after_distill_eval_loss", float("nan"))
     ratio = (f"{r['after_finetune_eval_loss'] / control[0]['after_finetune_eval_loss']:.3f}×" if control else "")
-    lines.append(f"| {r['name']} | {r.get('setting', r['kernel'])} | {r['after_swap_eval_loss']:.4f} | "
+    how = r.get("distill_objective", "") + (" + per-head decay" if r.get("distill_decay") else "")
+    lines.append(f"| {r['name']} | {r.get('setting', r['kernel'])} | {how} | {r['after_swap_eval_loss']:.4f} | "
                  f"{'' if distilled != distilled else f'{distilled:.4f}'} | {r['after_finetune_eval_loss']:.4f} | "
                  f"{r['finetune_steps']} | {r['after_finetune_eval_loss'] / r['softmax_eval_loss']:.3f}× | "
                  f"{ratio} |")

@@ -4,7 +4,10 @@ throughput, timed here one variant at a time (not taken from the runs, which may
 For each (study, results directory): the directory's ``config.json`` (the config that ran) rebuilds each
 run's variant; its train step is compiled and timed (median of ``timing_repeats`` blocks of ``timing_steps``
 steps, on the study's own batch size and length), and so is one step of the same model on one sequence of
-``long_length`` tokens, where linear-time attention should pay off. Records: quality (the study's headline
+``long_length`` tokens, where linear-time attention should pay off. Each setting is timed in a fresh process
+(``isolation.spawn``): nothing compiled or allocated for one setting is there when the next is timed (in one
+process, XLA's CPU client stalled for good in a futex wait after four settings of the sharp study, on
+2026-12-05, jax 0.10.2). Records: quality (the study's headline
 metric), decoding state, steps/s, seconds per long step.
 """
 
@@ -20,6 +23,7 @@ import matplotlib.ticker
 import ml_collections
 
 from experiments import tasks
+from experiments.studies import isolation
 from experiments.studies.timing import check_sizes, median_of
 from experiments.train import models, paths, plotting, sweep, training
 
@@ -71,6 +75,13 @@ def time_setting(config, steps: int, repeats: int, long_length: int) -> tuple[fl
   return rate, median_of(lambda: jax.block_until_ready(long_step(run.state, batch).params), repeats)
 
 
+def _measure(job: dict) -> dict:
+  """A child process's measurement (``isolation.spawn``): :func:`time_setting` of the job's config."""
+  rate, seconds = time_setting(ml_collections.ConfigDict(job["config"]), job["steps"], job["repeats"],
+                               job["long_length"])
+  return dict(steps_per_s=rate, long_step_s=seconds)
+
+
 def long_train_step(config, run: training.Setup, length: int):
   """(the jitted train step of ``config``'s model built for ``length`` tokens, a batch of one random sequence of
   ``length`` tokens): it steps ``run.state`` (rotary or no positions: the parameters do not depend on the length)."""
@@ -103,8 +114,10 @@ def run(config, progress=print, workdir=None):
         continue
       key = tuple(r.get(f) for f in sweep.SETTING)
       if key not in times:
-        times[key] = time_setting(variant, config.timing_steps, config.timing_repeats, config.long_length)
-      rate, seconds = times[key]
+        job = dict(config=json.loads(variant.to_json()), steps=config.timing_steps, repeats=config.timing_repeats,
+                   long_length=config.long_length)
+        times[key] = isolation.spawn("experiments.studies.tradeoff", job)
+      rate, seconds = times[key]["steps_per_s"], times[key]["long_step_s"]
       out.append(dict(study=study, name=r["name"], setting=sweep.setting(r), metric=metric, value=r[metric],
                       seed=r["seed"], state_size=r["state_size"], seq_len=r["seq_len"],
                       batch_size=variant.train.batch_size, steps_per_s=rate,
@@ -157,3 +170,7 @@ def plot(records, config, workdir):
       ax.grid(alpha=0.3)
   plotting.legend_right(fig)
   return [plotting.save(fig, os.path.join(workdir, "tradeoff.png"))]
+
+
+if __name__ == "__main__":
+  isolation.child_main(_measure)

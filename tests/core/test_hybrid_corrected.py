@@ -84,6 +84,7 @@ def test_small_windows_equal_the_explicit_float64_form(window):
   assert np.abs(_explicit(q, k, v, proj, window=0) - _explicit(q, k, v, proj, window=window)).max() > 1e-3
 
 
+@pytest.mark.slow(default_tier_covers=())  # the default tier: the first case
 @pytest.mark.parametrize("beta,dtype", [(0.3, jnp.float32), (-0.5, jnp.float32), (0.3, jnp.bfloat16)],
                          ids=["0.3-f32", "-0.5-f32", "0.3-bf16"])
 def test_the_control_variate_hybrid_equals_the_explicit_float64_form(beta, dtype):

@@ -212,8 +212,8 @@ def test_measurements_against_exact_attention_and_fitting_lowers_the_loss():
   assert rel < 1e-5 and abs(kl) < 1e-5
   rel, kl = activations.errors(q, k, v, w, "positive", None, window=0)
   assert rel > 0.05 and kl > 0.01
-  _, before = activations.fit_map("hedgehog", 8, q, k, 0, 1e-2, jax.random.PRNGKey(2))
-  _, after = activations.fit_map("hedgehog", 8, q, k, 30, 1e-2, jax.random.PRNGKey(2))
+  _, _, before = activations.fit_map("hedgehog", 8, q, k, 0, 1e-2, jax.random.PRNGKey(2))
+  _, _, after = activations.fit_map("hedgehog", 8, q, k, 30, 1e-2, jax.random.PRNGKey(2))
   assert after < before - 0.05
 
 
@@ -260,17 +260,27 @@ def test_tradeoff_reads_a_training_study_and_times_each_run(tmp_path):
 
 
 @pytest.mark.slow
-def test_conversion_distils_a_learned_map_before_fine_tuning(tmp_path):
+def test_conversion_distils_a_learned_map_before_fine_tuning(tmp_path, capsys):
   from experiments.configs import backward_compat as backward_compat_config
   from experiments.studies import backward_compat
   config = tiny_config.shrink(backward_compat_config.get_config("quick"))
   config.data.update(text_dir=EXCERPT, valid_plays=("tempest",), seq_len=L, num_eval_batches=2)
   config.train.steps = 20  # a softmax model with some structure in its attention to distil
   config.finetune.update(steps=2, warmup_steps=1, eval_every=1, distill_steps=40, distill_lr=3e-2, distill_batches=1)
-  config.variants = (("hedgehog", {"attention.kernel": "hedgehog"}), ("softmax_control", {"attention.type": "softmax"}))
-  hedgehog, control = main.run(config, str(tmp_path))
-  # Right after the swap the map is the identity; distillation moves it towards softmax's weights.
-  assert hedgehog["after_distill_eval_loss"] < hedgehog["after_swap_eval_loss"]
+  transfer = {"attention.kernel": "hedgehog", "attention.window": 2, "attention.forget_gate": True,
+              "finetune.distill_objective": "output_mse", "finetune.distill_decay": True}
+  config.variants = (("hedgehog", {"attention.kernel": "hedgehog"}), ("softmax_control", {"attention.type": "softmax"}),
+                     ("transfer", transfer))
+  hedgehog, control, moved = main.run(config, str(tmp_path))
+  progress = capsys.readouterr().out.splitlines()
+  # Right after the swap the map is the identity; distillation moves it towards softmax's weights, by either
+  # objective; the output-MSE run with a window and a fitted decay starts its gate from that decay.
+  for r in (hedgehog, moved):
+    assert r["after_distill_eval_loss"] < r["after_swap_eval_loss"], r["name"]
+  assert (hedgehog["distill_objective"], moved["distill_objective"]) == ("cross_entropy", "output_mse")
+  assert (hedgehog["distill_decay"], moved["distill_decay"]) == (False, True)
+  decays = [m for m in progress if "transfer layer" in m and "per-head decay" in m]
+  assert len(decays) == config.model.num_layers and "output_mse to softmax" in decays[0]
   assert np.isnan(control["after_distill_eval_loss"])
   assert control["after_swap_eval_loss"] == control["softmax_eval_loss"]
   # Every softmax parameter went into the swapped model unchanged; the map is new.
@@ -280,3 +290,4 @@ def test_conversion_distils_a_learned_map_before_fine_tuning(tmp_path):
   with pytest.raises(ValueError, match="no place for the softmax parameters"):
     backward_compat.swapped_params(c, {**pretrained, "extra": {"w": jnp.ones(1)}})
   assert "after distillation" in (tmp_path / "summary.md").read_text()
+  assert "| output_mse + per-head decay |" in (tmp_path / "summary.md").read_text()

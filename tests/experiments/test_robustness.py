@@ -384,6 +384,10 @@ def test_activations_fields_are_checked_before_the_model_trains(fields, message,
     ({"finetune.distill_lr": -1.0}, "finetune.distill_lr must be > 0"),
     ({"finetune.distill_batches": 0}, "finetune.distill_batches must be a positive int"),
     ({"finetune.warmup_steps": 50, "finetune.steps": 2}, "finetune.warmup_steps must be < finetune.steps=2"),
+    ({"finetune.distill_objective": "kl"},
+     r"finetune.distill_objective must be one of \('cross_entropy', 'output_mse'\), got 'kl'"),
+    ({"finetune.distill_decay": True},
+     "variant 'favor_positive': finetune.distill_decay=True .* needs attention.type='favor' with attention.forget"),
 ])
 def test_backward_compat_finetune_fields_are_named(fields, message, tmp_path, nothing_trains):
   config, overrides = command_line(backward_compat_config.get_config("quick"), fields)
