@@ -607,8 +607,8 @@ def test_decode_state_keeps_the_batch_shape(batch, window):
   # equal the full causal pass (or the hybrid one) sequence by sequence.
   q, k, v = _qkv(length=9, batch=batch)
   proj = _proj()
-  full = (core.hybrid_attention(q, k, v, proj, window=window, causal=True) if window
-          else core.favor_attention(q, k, v, proj, causal=True, chunk_size=4))
+  full = jax.jit(lambda q, k, v: core.hybrid_attention(q, k, v, proj, window=window, causal=True) if window
+                 else core.favor_attention(q, k, v, proj, causal=True, chunk_size=4))(q, k, v)
   state = core.favor_decode_init(q[..., :1, :, :], v[..., :1, :, :], proj, window=window)
   assert {x.shape[:len(batch)] for x in jax.tree.leaves(state) if x.ndim} == {batch}
   # Jitted (one program for the prompt, one for the steps): the eager path is test_decode_steps_equal_causal_forward's.

@@ -23,14 +23,15 @@ def test_linen_layer_with_the_fused_pass_equals_the_scan_outputs_and_gradients()
   x = _x()
   make = lambda method: flin.FavorAttention(num_heads=H, num_features=M, causal=True, chunk_size=16,
                                             causal_method=method)
-  variables = make("scan").init(jax.random.PRNGKey(1), x)
+  variables = jax.jit(make("scan").init)(jax.random.PRNGKey(1), x)
 
   def loss(params, method):
     out = make(method).apply({**variables, "params": params}, x)
     return jnp.sum(out * jnp.cos(jnp.arange(out.size).reshape(out.shape))), out
 
-  (_, want), g_want = jax.value_and_grad(loss, has_aux=True)(variables["params"], "scan")
-  (_, got), g_got = jax.jit(jax.value_and_grad(loss, has_aux=True), static_argnums=1)(variables["params"], "pallas")
+  value_and_grad = jax.jit(jax.value_and_grad(loss, has_aux=True), static_argnums=1)  # one program per method
+  (_, want), g_want = value_and_grad(variables["params"], "scan")
+  (_, got), g_got = value_and_grad(variables["params"], "pallas")
   np.testing.assert_allclose(got, want, atol=1e-5 * np.max(np.abs(want)))
   for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(g_got), jax.tree_util.tree_leaves(g_want)):
     np.testing.assert_allclose(a, b, atol=2e-5 * np.max(np.abs(b)), err_msg=jax.tree_util.keystr(path))

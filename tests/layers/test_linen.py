@@ -1,3 +1,4 @@
+import functools
 
 import chex
 import flax
@@ -88,7 +89,7 @@ class TwoLayers(nn.Module):
 
 def test_each_layer_owns_an_independent_projection_and_redraw_is_pure():
   x = _x()
-  variables = TwoLayers().init(jax.random.PRNGKey(0), x)
+  variables = jax.jit(TwoLayers().init)(jax.random.PRNGKey(0), x)
   p0, p1 = (variables["favor"][f"attn_{i}"]["projection"] for i in range(2))
   assert not np.allclose(p0, p1)
   new = flin.redraw(variables, jax.random.PRNGKey(5))
@@ -97,9 +98,10 @@ def test_each_layer_owns_an_independent_projection_and_redraw_is_pure():
   assert not np.allclose(new["favor"]["attn_0"]["projection"], p0)
   assert not np.allclose(new["favor"]["attn_0"]["projection"], new["favor"]["attn_1"]["projection"])
   chex.assert_trees_all_equal(new["params"], variables["params"])
-  out = TwoLayers().apply(variables, x)
-  np.testing.assert_array_equal(out, TwoLayers().apply(variables, x))  # deterministic eval
-  assert not np.allclose(out, TwoLayers().apply(new, x))
+  apply = jax.jit(TwoLayers().apply)  # one program, not each operation compiled on its own
+  out = apply(variables, x)
+  np.testing.assert_array_equal(out, apply(variables, x))  # deterministic eval
+  assert not np.allclose(out, apply(new, x))
   kept = flin.redraw(variables, jax.random.PRNGKey(5), due=False)
   chex.assert_trees_all_equal(kept, variables)
 
@@ -170,9 +172,9 @@ def test_jitted_train_step_with_redraw_schedule_compiles_once():
 def test_decode_prompt_then_tokens_equals_causal_forward():
   x = _x(length=13)
   model = TwoLayers()
-  variables = model.init(jax.random.PRNGKey(0), x)
+  variables = jax.jit(model.init)(jax.random.PRNGKey(0), x)
   full = jax.jit(model.apply)(variables, x)
-  cache = model.init(jax.random.PRNGKey(0), x[:, :1], decode=True)["cache"]
+  cache = jax.jit(functools.partial(model.init, decode=True))(jax.random.PRNGKey(0), x[:, :1])["cache"]
   outs = []
   step = jax.jit(lambda v, x: model.apply(v, x, decode=True, mutable=["cache"]))  # one compilation per length
   out, mut = step({**variables, "cache": cache}, x[:, :9])

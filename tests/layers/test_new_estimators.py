@@ -617,6 +617,16 @@ def test_distillation_loss_honours_causal_and_key_mask_and_refuses_softmax():
     layers.distillation_loss(q, k, w, kernel="softmax")
 
 
+@functools.cache
+def _jitted_distillation(causal):
+  """(loss, value_and_grad over the map) of ``layers.distillation_loss``, jitted once per ``causal`` for the
+  cases of a test (eagerly, each of its operations compiles on its own)."""
+  loss = lambda q, k, w, kernel="hedgehog", query_mask=None: layers.distillation_loss(
+      q, k, w, causal=causal, kernel=kernel, query_mask=query_mask)
+  return (jax.jit(loss, static_argnames="kernel"),
+          jax.jit(jax.value_and_grad(loss, argnums=2), static_argnames="kernel"))
+
+
 @pytest.mark.slow(default_tier_covers=())
 @pytest.mark.parametrize("scale", [1.0, 20.0])
 @pytest.mark.parametrize("causal", [False, True])
@@ -630,12 +640,12 @@ def test_distillation_loss_leaves_padded_queries_out(causal, scale):
   ce = lambda s, h: -np.sum(s * np.log(h), -1)
   rows = ([ce(*_weights_reference(q[:, t:t + 1], k[:, :t + 1], w)) for t in range(real)] if causal
           else [ce(*_weights_reference(q[:, :real], k, w))])
-  loss = lambda q, k, w, **kw: layers.distillation_loss(q, k, w, causal=causal, **kw)
-  got, grad = jax.value_and_grad(loss, argnums=2)(padded, k, w, query_mask=query_mask)
+  loss, value_and_grad = _jitted_distillation(causal)
+  got, grad = value_and_grad(padded, k, w, query_mask=query_mask)
   np.testing.assert_allclose(got, np.mean(np.concatenate(rows, axis=-1)), rtol=1e-5)
   # Without padding (causal: the keys the real queries see; bidirectional: every key).
   keys = k[:, :real] if causal else k
-  np.testing.assert_allclose(grad, jax.grad(loss, argnums=2)(q[:, :real], keys, w), rtol=1e-4, atol=1e-7)
+  np.testing.assert_allclose(grad, value_and_grad(q[:, :real], keys, w)[1], rtol=1e-4, atol=1e-7)
   if not causal:  # the statistic of FAVOR++ / FAVOR# from the real queries alone
     for name in ("optimal_positive", "saderf"):
       proj = core.orthogonal_projection(jax.random.PRNGKey(5), 16, D)
