@@ -13,9 +13,11 @@ from favor_jax import core
 from favor_jax.core import kernels
 from tests.core.test_gates import B, L, _log_gate, _mask, _proj, _qkv, decay, explicit
 
-# Three documents per row; ids repeat (7, 3, 7): a segment is a run of equal ids, not an id.
-DOCS = ((0, 12), (12, 30), (30, 40))
-IDS = jnp.asarray([7] * 12 + [3] * 18 + [7] * 10, jnp.int32)
+# Three documents per row; ids repeat (7, 3, 7): a segment is a run of equal ids, not an id. Both boundaries
+# fall inside a chunk of 8; the last two documents have one length, so a document alone compiles twice, not
+# three times.
+DOCS = ((0, 12), (12, 26), (26, 40))
+IDS = jnp.asarray([7] * 12 + [3] * 14 + [7] * 14, jnp.int32)
 
 
 def _rho(name, q):
