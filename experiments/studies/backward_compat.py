@@ -185,9 +185,9 @@ def summarize(records, config) -> str:
 
 def plot(records, config, workdir) -> list[str]:
   fig, ax = plotting.subplots(figsize=(6, 4))
-  for r in records:
+  for i, r in enumerate(records):
     steps, losses = zip(*r["curve"])
-    ax.plot(steps, losses, marker=".", label=r["name"])
+    ax.plot(steps, losses, marker=".", ls="-" if i < 10 else "-.", label=r["name"])  # 10 colours, then dash-dot
   ax.axhline(records[0]["softmax_eval_loss"], color="k", ls="--", lw=1, label="softmax before swap")
   ax.set(xlabel="fine-tune step (0 = right after the swap)", ylabel="eval loss", yscale="log",
          title=f"Swapping attention in a softmax-trained {config.task} model")
