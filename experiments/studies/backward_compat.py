@@ -50,8 +50,8 @@ def check_finetune(f) -> None:
 
 
 def phase_configs(config):
-  """(pretrain softmax, [(name, fine-tune config)]) with every config checked up front."""
-  check_finetune(config.finetune)
+  """(pretrain softmax, [(name, fine-tune config)]) with every config checked up front (the ``finetune`` fields
+  per variant, which may set its own)."""
   pretrain = copy.deepcopy(config)
   pretrain.attention.type, pretrain.attention.redraw_every = "softmax", 0
   pretrain.variants, pretrain.only = (), ""
@@ -59,7 +59,7 @@ def phase_configs(config):
     del pretrain["finetune"]  # not the pretraining's: changing it must not stop that run from resuming
   finetunes = []
   for name, c in sweep.variant_configs(config):
-    check_finetune(c.finetune)  # a variant may set its own distillation
+    check_finetune(c.finetune)
     if c.finetune.distill_decay and not (c.attention.type == "favor" and c.attention.forget_gate):
       raise ValueError(f"variant {name!r}: finetune.distill_decay=True fits a decay that the model's forget gate "
                        "starts from; it needs attention.type='favor' with attention.forget_gate=True")

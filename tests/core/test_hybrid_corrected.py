@@ -59,6 +59,16 @@ def _explicit(q, k, v, proj, *, window, log_gate=None, beta=0.0, mask=None):
   return np.einsum("bhtj,bjhe->bthe", w / np.where(den == 0, 1.0, den), np.asarray(v, np.float64))
 
 
+def _f32(x):
+  """The rounded inputs, exactly, for the float64 form."""
+  return x.astype(jnp.float32)
+
+
+def _atol(dtype):
+  """float32: a few float32 roundings; bfloat16: the output's own rounding, 2^-8 of values ~1."""
+  return 5e-5 if dtype == jnp.float32 else 2e-2
+
+
 @functools.cache
 def _hybrid(window, chunk, beta):
   return jax.jit(lambda q, k, v, proj, g, mask: core.hybrid_attention(
@@ -92,14 +102,13 @@ def test_the_control_variate_hybrid_equals_the_explicit_float64_form(beta, dtype
   against the float64 form at the same rounded inputs."""
   q0, k0, v0 = _qkv(1)
   proj = _proj()
-  f32 = lambda x: x.astype(jnp.float32)  # the rounded inputs, exactly
-  atol = 5e-5 if dtype == jnp.float32 else 2e-2  # bfloat16: the output's own rounding, 2^-8 of values ~1
+  atol = _atol(dtype)
   for scale in (0.6, 4.0, 20.0):
     q, k, v = (scale * q0).astype(dtype), (scale * k0).astype(dtype), v0.astype(dtype)
     for window, chunk in ((1, 4), (4, 4), (6, 16)):
       for g in (None, _log_gate()):
         got = np.asarray(_hybrid(window, chunk, beta)(q, k, v, proj, g, None), np.float64)
-        want = _explicit(f32(q), f32(k), f32(v), proj, window=window, log_gate=g, beta=beta)
+        want = _explicit(_f32(q), _f32(k), _f32(v), proj, window=window, log_gate=g, beta=beta)
         np.testing.assert_allclose(got, want, atol=atol, err_msg=f"scale={scale} window={window} gated={g is not None}")
 
 
@@ -122,8 +131,7 @@ def test_decoding_with_the_control_variate_equals_the_explicit_float64_form(dtyp
   proj, g = _proj(), _log_gate(9)
   step = jax.jit(lambda state, q, k, v, g, beta: core.favor_decode_step(state, q, k, v, proj, window=4, log_gate=g,
                                                                         control_variate=beta))
-  f32 = lambda x: x.astype(jnp.float32)  # the rounded inputs, exactly
-  atol = 5e-5 if dtype == jnp.float32 else 2e-2  # bfloat16: the output's own rounding, 2^-8 of values ~1
+  atol = _atol(dtype)
   for scale in (0.6, 4.0, 20.0):
     q, k, v = (scale * q0).astype(dtype), (scale * k0).astype(dtype), v0.astype(dtype)
     for beta, gate in ((jnp.float32(0.3), None), (jnp.array([0.2, -0.4]), g)):
@@ -136,7 +144,7 @@ def test_decoding_with_the_control_variate_equals_the_explicit_float64_form(dtyp
         outs.append(out)
       got = np.asarray(jnp.concatenate(outs, axis=1), np.float64)
       for h, b in enumerate(np.broadcast_to(np.asarray(beta), (H,))):
-        want = _explicit(f32(q), f32(k), f32(v), proj, window=4, log_gate=gate, beta=float(b))
+        want = _explicit(_f32(q), _f32(k), _f32(v), proj, window=4, log_gate=gate, beta=float(b))
         np.testing.assert_allclose(got[:, :, h], want[:, :, h], atol=atol,
                                    err_msg=f"scale={scale} beta={b} gated={gate is not None}")
   with pytest.raises(ValueError, match="needs window > 0"):
