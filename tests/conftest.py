@@ -193,16 +193,45 @@ def _keep_covering_cases(items):
       best.own_markers[:] = [m for m in best.own_markers if m.name != "slow"]
 
 
+# Memory mappings a worker may hold when a test file ends and still start the next one: one file has added up to
+# 27,391 (tests/core/test_numerics.py), so the worker stays under 25,000 + 27,391 ≈ 52,000, well below the
+# kernel's limit of 65,530 (vm.max_map_count).
+MAPPINGS_KEPT = 25_000
+
+
+def _mappings() -> int | None:
+  """This process's memory mappings (None where /proc is not there: not Linux)."""
+  try:
+    with open("/proc/self/maps") as f:
+      return sum(1 for _ in f)
+  except OSError:
+    return None
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _release_compiled_programs():
-  """Drops JAX's compiled programs after each test file. Each one holds memory mappings of its machine code
-  (measured: ~70 per jitted causal gradient, ~330 per eager causal call, all returned by
-  ``jax.clear_caches``; tests/core/test_numerics.py alone leaves 27,391), and a worker that ran half of the
-  suite reached Linux's limit (vm.max_map_count, 65,530: the core dump of the worker that crashed in XLA's
-  compiler held 65,507 mappings), where the next mapping fails and the compiler segfaults. One file's worth
-  stays well under it."""
+  """Drops JAX's compiled programs after a test file once the worker holds more than ``MAPPINGS_KEPT`` memory
+  mappings (after every file where it cannot count them). Each program holds mappings of its machine code
+  (measured: ~70 per jitted causal gradient, ~330 per eager causal call, all returned by ``jax.clear_caches``),
+  and a worker that ran half of the suite reached Linux's limit (vm.max_map_count, 65,530: the core dump of the
+  worker that crashed in XLA's compiler held 65,507 mappings), where the next mapping fails and the compiler
+  segfaults. Below the threshold the programs stay, so the next file reuses what it shares with this one (the
+  eager operations, the projections' draws) instead of compiling it again."""
   yield
-  jax.clear_caches()
+  count = _mappings()
+  if count is None or count > MAPPINGS_KEPT:
+    jax.clear_caches()
+
+
+@pytest.fixture
+def run_bound_children(monkeypatch):
+  """The processes this test starts compile at LLVM's optimisation level 1, not the suite's fast-compile flags
+  (``FAST_COMPILE``): for children that run their programs for long (a notebook training for hundreds of steps),
+  where the programs' speed outweighs their compile time. An optimisation level the caller chose is kept."""
+  flags = os.environ.get("XLA_FLAGS", "").split()
+  if all(f in flags for f in FAST_COMPILE):
+    monkeypatch.setenv("XLA_FLAGS", " ".join([f for f in flags if f not in FAST_COMPILE]
+                                             + ["--xla_backend_optimization_level=1"]))
 
 
 @pytest.fixture(params=[False, True], ids=["eager", "jit"])

@@ -79,11 +79,19 @@ def test_stale_cells_ignore_numbers_not_words():
   assert [line.split(":")[0] for line in stale_cells(old, new)] == ["code cell 1"]
 
 
+# Notebooks whose time is running their models (hundreds of training steps), not compiling them: their kernel
+# compiles at LLVM's optimisation level 1, not the suite's 0 (tests/conftest.py). Measured 2026-12-05 on the
+# 2-core machine: tutorial 3 71 s -> 50 s; tutorial 2 32 s -> 30 s and tutorial 4 11 s -> 18 s, so those keep 0.
+RUN_BOUND = {"tutorial_3_convert_softmax"}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
-def test_notebook_executes(path):
+def test_notebook_executes(path, request):
   nbformat = pytest.importorskip("nbformat")
   nbclient = pytest.importorskip("nbclient")
+  if path.stem in RUN_BOUND:
+    request.getfixturevalue("run_bound_children")
   committed = nbformat.read(path, as_version=4)
   nb = copy.deepcopy(committed)
   # A fresh kernel per notebook, started in notebooks/ as `jupyter nbconvert --execute` does; it raises

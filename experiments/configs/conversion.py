@@ -5,7 +5,8 @@ exact windows of 0, 4 and 16 keys; each converted model then fine-tuned.
 The backward-compatibility study's CPU setting (``backward_compat.py:quick``: the Shakespeare quick model, 1200
 softmax steps, 300 fine-tune steps), distilling on one batch for 150 steps: one softmax pretraining, then per
 variant the swap, the distillation of each layer's map (``finetune.distill_*``) and the fine-tune, against
-softmax fine-tuned for the same steps.
+softmax fine-tuned for the same steps. Two seeds of every variant (seed 1 as NAME_seed1: the new maps' and gates'
+initialisation, the distillation batch and the fine-tune's data order), one pretrained softmax model.
 
     python -m experiments.main --config=experiments/configs/conversion.py --workdir=experiments/results/conversion_cpu
     python -m experiments.main --config=experiments/configs/conversion.py:quick --workdir=/tmp/conversion
@@ -37,7 +38,7 @@ def get_config(arg=None):
                  (f"hedgehog_w{w}_mse", {**hedgehog(w), **mse}),  # the outputs' squared error
                  (f"hedgehog_w{w}_mse_decay", {**hedgehog(w, forget_gate=True), **decay})]  # + fitted decay
   variants += [("hedgehog_w0_mse_gate", {**hedgehog(0, forget_gate=True), **mse})]  # the gate, decay not fitted
-  config.variants = tuple(variants)
+  config.variants = common.with_seeds(tuple(variants), (0, 1))  # seed 1 as NAME_seed1
   config.only = ""  # every variant
   if quick:
     config.train.steps = 100  # softmax pretraining steps

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import copy
 import os
+import re
 
 import jax
 from flax import traverse_util
@@ -155,7 +156,7 @@ def run(config, progress, workdir) -> list[dict]:
                     distill_decay=bool(distilled and c.finetune.distill_decay),
                     setting=sweep.setting(sweep.attention_fields(c)),
                     num_features=a.num_features if a.type == "favor" else 0,
-                    pretrain_steps=pretrain.train.steps, finetune_steps=c.train.steps,
+                    seed=c.train.seed, pretrain_steps=pretrain.train.steps, finetune_steps=c.train.steps,
                     softmax_eval_loss=pretrained["eval_loss"],
                     after_swap_eval_loss=evals[0]["eval_loss"] if after_swap is None else after_swap,
                     after_distill_eval_loss=after_distill, after_finetune_eval_loss=evals[-1]["eval_loss"],
@@ -180,7 +181,39 @@ def summarize(records, config) -> str:
                  f"{'' if distilled != distilled else f'{distilled:.4f}'} | {r['after_finetune_eval_loss']:.4f} | "
                  f"{r['finetune_steps']} | {r['after_finetune_eval_loss'] / r['softmax_eval_loss']:.3f}× | "
                  f"{ratio} |")
+  groups = seed_groups(records)
+  if any(len(runs) > 1 for runs in groups.values()):
+    lines += _seed_table(groups)
   return "\n".join(lines) + "\n"
+
+
+def seed_groups(records) -> dict[str, list[dict]]:
+  """{variant: its runs}, seed s > 0 of a variant being NAME_seedS (``common.with_seeds``)."""
+  groups: dict[str, list[dict]] = {}
+  for r in records:
+    groups.setdefault(re.sub(r"_seed\d+$", "", r["name"]), []).append(r)
+  return groups
+
+
+def _seed_table(groups) -> list[str]:
+  """Each variant's eval loss after fine-tuning: the mean and every seed's value, against the softmax control's
+  mean (and seed by seed: the ratios of runs of the same seed)."""
+  after = lambda runs: [r["after_finetune_eval_loss"] for r in runs]
+  mean = lambda xs: sum(xs) / len(xs)
+  control = {r.get("seed", 0): r["after_finetune_eval_loss"] for runs in groups.values() for r in runs
+             if r["attention"] == "softmax"}
+  lines = ["", "## Mean over seeds (eval loss after fine-tuning)", "",
+           "| variant | distillation | seeds | mean | each seed | vs softmax control (mean) "
+           "| each seed vs its control |",
+           "|" + "---|" * 7]
+  for name, runs in groups.items():
+    how = runs[0].get("distill_objective", "") + (" + per-head decay" if runs[0].get("distill_decay") else "")
+    each = " / ".join(f"{x:.4f}" for x in after(runs))
+    ratio = f"{mean(after(runs)) / mean(list(control.values())):.3f}×" if control else ""
+    own = " / ".join(f"{r['after_finetune_eval_loss'] / control[r.get('seed', 0)]:.3f}×" for r in runs
+                     if r.get("seed", 0) in control)
+    lines.append(f"| {name} | {how} | {len(runs)} | {mean(after(runs)):.4f} | {each} | {ratio} | {own} |")
+  return lines
 
 
 def plot(records, config, workdir) -> list[str]:

@@ -275,7 +275,9 @@ def hybrid_attention(
   the sequence is :func:`softmax_attention`. O(L·(window + F)·(D + Dv)) time, no [L, L] array; the causal
   stabiliser never looks ahead. Needs Lq = Lk (positions are shared). Masks, non-finite inputs, ``rho``,
   ``query_mask``, ``log_gate`` and ``segment_ids`` behave as in :func:`favor_attention`; the exact window gets
-  the same bias as the kernel's part.
+  the same bias as the kernel's part. Causal with ``window ≤ chunk_size``, the exact window is computed inside
+  the chunked pass (each block of rows computes its own window beside its kernel part): one pass over the
+  sequence; otherwise a separate blocked pass beside it.
 
   The kernel's part covers exactly the keys beyond the window, so each weight beyond it is the kernel's own
   (unbiased) estimate and each weight inside it exact: this is Scatterbrain's sparse + low-rank − (low-rank on
@@ -290,7 +292,8 @@ def hybrid_attention(
   unbiased for every β fixed with respect to the random features (E[Ŝ_W] = S_W): a window weight's estimate is
   (1 + β)·w − β·ŵ, a weight beyond it ŵ. The errors of Ŝ_W and Ŝ_F share φ(q_t), so a β near
   Cov(Ŝ_F, Ŝ_W)/Var(Ŝ_W) lowers the variance of the sum; β = −1 is :func:`favor_attention`'s estimate. Weights
-  can then be negative (as the denominator, rarely). It costs one more chunked pass (every key). One
+  can then be negative (as the denominator, rarely). It costs a second state (every key), in the same pass
+  where the window is. One
   coefficient per head (an array [H]) may be learned; a coefficient estimated from the same draw (EVA's
   per-chunk one) would add a bias of order 1/M and is not offered.
 

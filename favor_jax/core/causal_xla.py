@@ -26,6 +26,7 @@ from favor_jax.core.features import head_major
 from favor_jax.core.kernels import LogFeatures
 from favor_jax.core.state import SAFE_GAP, RecurrentState
 
+BLOCK_CHUNKS = 4  # chunks per scan step of the chunked pass (see chunked)
 GROUP = 16  # tokens per group of the per-token pass's backward (√ of a 256-token block; see _token_groups)
 
 
@@ -179,7 +180,7 @@ _token_groups.defvjp(_token_groups_fwd, _token_groups_bwd)
 
 
 @precision_lib.honoured
-def chunked(features, q, k, v, mask, *, chunk_size: int = 64, block_chunks: int = 4, state=None,
+def chunked(features, q, k, v, mask, *, chunk_size: int = 64, block_chunks: int = BLOCK_CHUNKS, state=None,
             return_state: bool = False, return_scale: bool = False, divide: bool = False, gate=None,
             key_offset=None, precision=None):
   """Chunked causal linear attention: O(L·C·(F+Dv)) inside chunks, O(L·F·Dv) across them.
@@ -200,34 +201,41 @@ def chunked(features, q, k, v, mask, *, chunk_size: int = 64, block_chunks: int 
   """
   if divide and (return_state or return_scale):
     raise ValueError("chunked(divide=True) returns the output only: return_state and return_scale must be False")
-  n, length = q.shape[:2]
-  chunk = min(chunk_size, length)
-  block = chunk * block_chunks
+  chunk = min(chunk_size, q.shape[1])
   carry = state_lib.initial_state(features, q, k, v) if state is None else state
 
   def body(c, x):
     c, y = _chunked_block(features, chunk, c, *x)
     return c, state_lib.divide(y[..., :-2], y[..., -2]) if divide else y
 
-  if length <= block:
-    padded = -(-length // chunk) * chunk
-    xs = [inputs.pad_to(x, padded) for x in (q, k, v)] + [inputs.pad_to(mask, padded, False)]
-    xs += [inputs.pad_to(x, padded) for x in (gate, key_offset) if x is not None]
-    carry, y = body(carry, xs)
-  else:
-    padded = -(-length // block) * block
-    nb = padded // block
-    to_blocks = lambda x: jnp.moveaxis(x.reshape((n, nb, block) + x.shape[2:]), 1, 0)
-    xs = [to_blocks(inputs.pad_to(x, padded)) for x in (q, k, v)] + [to_blocks(inputs.pad_to(mask, padded, False))]
-    xs += [to_blocks(inputs.pad_to(x, padded)) for x in (gate, key_offset) if x is not None]
-    carry, y = jax.lax.scan(jax.checkpoint(body), carry, xs)
-    y = jnp.moveaxis(y, 0, 1).reshape((n, padded) + y.shape[3:])
-  y = y[:, :length]
+  xs = [q, k, v, mask] + [x for x in (gate, key_offset) if x is not None]
+  carry, y = over_blocks(body, carry, xs, chunk, chunk * block_chunks)
   if divide:
     return y
-  out = (y[..., :-2], y[..., -2]) + ((y[..., -1],) if return_scale else ())
+  num, den, scale = columns(y)
+  out = (num, den) + ((scale,) if return_scale else ())
   return out + (carry,) if return_state else out
 
+
+def columns(y):
+  """The chunked pass's rows [..., Dv + 2] as (numerator [..., Dv], denominator [...], log-scale [...])."""
+  return y[..., :-2], y[..., -2], y[..., -1]
+
+
+def over_blocks(body, carry, xs, chunk: int, block: int):
+  """``body(carry, xs_block) -> (carry, y_block)`` over the rows of ``xs`` (a pytree of [N, L, ...] arrays): one
+  call on all of them (padded to a multiple of ``chunk``) where L ≤ ``block``, else one ``lax.scan`` step per
+  ``block`` rows with a rematerialised body. Padding is 0 (False for a mask); returns (carry, y [N, L, ...])."""
+  n, length = jax.tree.leaves(xs)[0].shape[:2]
+  pad = lambda to: lambda x: inputs.pad_to(x, to, False if x.dtype == jnp.bool_ else 0)
+  if length <= block:
+    carry, y = body(carry, jax.tree.map(pad(-(-length // chunk) * chunk), xs))
+  else:
+    padded = -(-length // block) * block
+    to_blocks = lambda x: jnp.moveaxis(pad(padded)(x).reshape((n, padded // block, block) + x.shape[2:]), 1, 0)
+    carry, y = jax.lax.scan(jax.checkpoint(body), carry, jax.tree.map(to_blocks, xs))
+    y = jnp.moveaxis(y, 0, 1).reshape((n, padded) + y.shape[3:])
+  return carry, y[:, :length]
 
 def exclusive_prefix(state: RecurrentState, axis_name) -> RecurrentState:
   """The state of every key on the devices before this one along ``axis_name`` (inside ``shard_map``).

@@ -16,9 +16,10 @@ Both parts are linear in L. Inside the window: blocks of C ≥ window queries
 against their own and neighbouring key blocks, O(L·C·(D + Dv)). Outside: the
 chunked causal pass over the keys delayed by ``window`` positions (keys
 j ≤ t − w for row t); bidirectional adds the same on the reversed sequence
-(j ≥ t + w). Each part reports its per-row log-scale and the parts are summed
-on their common maximum, so no part's terms underflow because another's are
-larger. Shape letters: see :mod:`favor_jax.core`.
+(j ≥ t + w). Causal with a window no longer than the chunk, both parts run in the same pass
+(:func:`one_pass`: each block of the chunked pass computes its rows' window too). Each part reports its
+per-row log-scale and the parts are summed on their common maximum, so no part's terms underflow because
+another's are larger. Shape letters: see :mod:`favor_jax.core`.
 """
 
 from __future__ import annotations
@@ -130,20 +131,64 @@ def _delayed(x, window, fill=0):
   return jnp.concatenate([head, x[:, :max(length - window, 0)]], axis=1)
 
 
-def side(features, q, k, v, mask, delay: int, chunk_size: int, gate=None):
-  """Keys j ≤ t − ``delay`` by the chunked pass over the keys delayed by ``delay``: (num, den, log-scale).
-
-  ``gate`` [N, L, H]: pair (t, j) decays by Σ_{j<l≤t} g_l: the slots keep the gates, and the key in slot u
-  (key u − delay) carries in Σ_{u−delay<l≤u} g_l (a window sum, no difference of running sums).
-  """
+def _delayed_keys(k, v, mask, delay: int, gate=None):
+  """(k, v, mask) delayed by ``delay`` positions and, with ``gate``, the pass's gate arguments: the slots keep
+  the gates, and the key in slot u (key u − delay) carries in Σ_{u−delay<l≤u} g_l (a window sum, no
+  difference of running sums)."""
   shift = lambda x, fill=0: _delayed(x, delay, fill) if delay else x
   extra = {}
   if gate is not None:
     carried = jax.lax.reduce_window(gate, 0.0, jax.lax.add, (1, delay, 1), (1, 1, 1),
                                     [(0, 0), (delay - 1, 0), (0, 0)]) if delay else None
     extra = dict(gate=gate, key_offset=carried)
-  return causal_xla.chunked(features, q, shift(k), shift(v), shift(mask, False), chunk_size=chunk_size,
-                            return_scale=True, **extra)
+  return shift(k), shift(v), shift(mask, False), extra
+
+
+def side(features, q, k, v, mask, delay: int, chunk_size: int, gate=None):
+  """Keys j ≤ t − ``delay`` by the chunked pass over the keys delayed by ``delay``: (num, den, log-scale).
+  ``gate`` [N, L, H]: pair (t, j) decays by Σ_{j<l≤t} g_l (see ``_delayed_keys``)."""
+  k, v, mask, extra = _delayed_keys(k, v, mask, delay, gate)
+  return causal_xla.chunked(features, q, k, v, mask, chunk_size=chunk_size, return_scale=True, **extra)
+
+
+def one_pass(features, q, k, v, mask, window: int, chunk_size: int, gate=None, beta=None):
+  """The causal hybrid in one chunked pass, for a window no longer than a chunk: (num, den, log-scale).
+
+  Each block of rows (``causal_xla.over_blocks``) runs the kernel part over the keys delayed by ``window``
+  and, on the same rows, the exact part over its own keys and the ``window`` keys before them (the first
+  rows of its delayed keys), and merges the two there: no separate pass over the sequence for the window.
+  ``beta`` [N, L, H] (the control variate, :func:`hybrid`): a second state, of every key, runs beside the
+  first in the same blocks."""
+  chunk = min(chunk_size, q.shape[1])
+  k_late, v_late, mask_late, extra = _delayed_keys(k, v, mask, window, gate)
+  xs = dict(q=q, k=k, v=v, mask=mask, k_late=k_late, v_late=v_late, mask_late=mask_late)
+  if gate is not None:  # the gate; the decay each delayed key carries in; the gates of the window keys before
+    xs.update(gate=gate, key_offset=extra["key_offset"], gate_late=_delayed(gate, window))
+  if beta is not None:
+    xs.update(beta=beta)
+
+  def body(carry, x):
+    gated = {} if gate is None else dict(gate=x["gate"])
+    state, far = causal_xla._chunked_block(features, chunk, carry[0], x["q"], x["k_late"], x["v_late"],
+                                           x["mask_late"], key_offset=x.get("key_offset"), **gated)
+    before = lambda late, now: jnp.concatenate([late[:, :window], now], axis=1)  # and the window keys before
+    near = local(before(jnp.zeros_like(x["q"]), x["q"]), before(x["k_late"], x["k"]), before(x["v_late"], x["v"]),
+                 before(x["mask_late"], x["mask"]), window, True,
+                 None if gate is None else before(x["gate_late"], x["gate"]))
+    parts = [tuple(y[:, window:] for y in near), causal_xla.columns(far)]
+    carry_out = (state,)
+    if beta is not None:  # (1 + β)·(S_W + Ŝ_F) − β·Ŝ_{W∪F}: the state of every key beside the delayed one
+      every_state, every = causal_xla._chunked_block(features, chunk, carry[1], x["q"], x["k"], x["v"],
+                                                     x["mask"], **gated)
+      parts = [_times(p, 1 + x["beta"]) for p in parts] + [_times(causal_xla.columns(every), -x["beta"])]
+      carry_out += (every_state,)
+    num, den, scale = merge(*parts, with_scale=True)
+    return carry_out, jnp.concatenate([num, den[..., None], scale[..., None]], axis=-1)
+
+  start = state_lib.initial_state(features, q, k, v)
+  _, y = causal_xla.over_blocks(body, (start,) * (1 if beta is None else 2), xs, chunk,
+                                chunk * causal_xla.BLOCK_CHUNKS)
+  return causal_xla.columns(y)
 
 
 def reverse_gate(start):
@@ -183,11 +228,14 @@ def hybrid(features, q, k, v, mask, window: int, causal: bool, chunk_size: int, 
   gate = None if gates is None else gates.log
   start = None if gates is None or causal else gates.start
   segment = None if start is None else gates_lib.segment_index(start)
+  beta = None if control is None else jnp.broadcast_to(jnp.asarray(control, jnp.float32), q.shape[:3])
+  if causal and window <= min(chunk_size, q.shape[1]):
+    num, den, scale = one_pass(features, q, k, v, mask, window, chunk_size, gate, beta)
+    return (num, den, scale) if with_scale else (num, den)
   near = local(q, k, v, mask, window, causal, gate, segment)
   far = distant(features, q, k, v, mask, window, causal, chunk_size, gate, start)
   if control is None:
     return merge(near, far, with_scale=with_scale)
-  beta = jnp.broadcast_to(jnp.asarray(control, jnp.float32), q.shape[:3])
   every = distant(features, q, k, v, mask, 0, causal, chunk_size, gate, start, back=1)
   return merge(_times(near, 1 + beta), _times(far, 1 + beta), _times(every, -beta), with_scale=with_scale)
 

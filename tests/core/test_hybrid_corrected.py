@@ -165,6 +165,37 @@ def test_the_control_variate_limits_are_the_plain_hybrid_and_favor():
     np.testing.assert_array_equal(hybrid(control_variate=off)(q, k, v, proj, g), plain)
 
 
+
+def _products_outside_loops(jaxpr) -> int:
+  """dot_generals of ``jaxpr`` (and the jaxprs it calls) that no ``scan`` runs: products of a separate pass."""
+  count = 0
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "scan":
+      continue
+    count += eqn.primitive.name == "dot_general"
+    for param in eqn.params.values():
+      for sub in param if isinstance(param, (tuple, list)) else [param]:
+        sub = getattr(sub, "jaxpr", sub)  # a ClosedJaxpr's own
+        if hasattr(sub, "eqns"):
+          count += _products_outside_loops(sub)
+  return count
+
+
+@pytest.mark.parametrize("gated", [False, True], ids=["plain", "gated"])
+def test_a_window_no_longer_than_a_chunk_runs_inside_the_chunked_pass(gated):
+  """Causal, window ≤ chunk: every product, the exact window's included, runs in the chunked pass's loop over
+  blocks (no separate pass over the sequence); with a control variate too. A window longer than the chunk has
+  its own blocked pass beside it (the check has teeth)."""
+  q, k, v = _qkv(4, length=64)
+  proj, g = _proj(), (_log_gate(length=64) if gated else None)
+  program = lambda window, **kw: jax.make_jaxpr(lambda q, k, v: core.hybrid_attention(
+      q, k, v, proj, window=window, causal=True, chunk_size=8, log_gate=g, **kw))(q, k, v).jaxpr
+  for window in (1, 8):
+    assert _products_outside_loops(program(window)) == 0, window
+  assert _products_outside_loops(program(4, control_variate=0.5)) == 0
+  assert _products_outside_loops(program(9)) > 0
+
+
 @pytest.mark.slow
 def test_the_control_variate_hybrid_is_unbiased_for_the_gated_softmax_weights():
   """E over ω of each unnormalised weight (one-hot values: the numerator times e^{its scale}) is

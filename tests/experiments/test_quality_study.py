@@ -140,6 +140,26 @@ def test_summary_says_mean_over_seeds_only_over_several_seeds():
   assert "## Mean over seeds" in text
 
 
+
+def test_conversion_summary_gives_each_variants_mean_and_every_seed_against_its_own_control():
+  from experiments.configs import backward_compat as backward_compat_config
+  from experiments.studies import backward_compat
+  run = lambda name, seed, loss, attention="favor": dict(
+      name=name, seed=seed, attention=attention, kernel="hedgehog", distill_objective="output_mse",
+      distill_decay=False, pretrain_steps=10, finetune_steps=5, softmax_eval_loss=2.0, after_swap_eval_loss=3.0,
+      after_distill_eval_loss=2.5, after_finetune_eval_loss=loss, curve=[(0, 3.0)])
+  records = [run("softmax_control", 0, 1.0, "softmax"), run("softmax_control_seed1", 1, 2.0, "softmax"),
+             run("hedgehog", 0, 1.1), run("hedgehog_seed1", 1, 2.4)]
+  config = backward_compat_config.get_config("quick")
+  rows = {line.split(" | ")[0].strip("| "): line for line in backward_compat.summarize(records, config).splitlines()
+          if line.startswith("| ") and " | 2 | " in line}
+  # mean 1.75 over the control's mean 1.5; seed by seed 1.1/1.0 and 2.4/2.0, each against its own control
+  assert rows["hedgehog"].endswith("| 2 | 1.7500 | 1.1000 / 2.4000 | 1.167× | 1.100× / 1.200× |"), rows
+  assert set(rows) == {"softmax_control", "hedgehog"}
+  # one seed per variant: no such table
+  assert "Mean over seeds" not in backward_compat.summarize(records[::2], config)
+
+
 def test_summary_drops_columns_empty_in_every_row():
   records = [_bpc("softmax", 0, 2.0, attention="softmax", kernel="", features=0), _bpc("favor", 0, 2.2)]
   header = next(line for line in sweep.summarize(records, tiny()).splitlines() if line.startswith("| run |"))
