@@ -217,14 +217,18 @@ def _seed_table(groups) -> list[str]:
 
 
 def plot(records, config, workdir) -> list[str]:
-  fig, ax = plotting.subplots(figsize=(6, 4))
-  for i, r in enumerate(records):
-    steps, losses = zip(*r["curve"])
-    ax.plot(steps, losses, marker=".", ls="-" if i < 10 else "-.", label=r["name"])  # 10 colours, then dash-dot
+  """Eval loss against fine-tune step: one colour per variant (ten colours, then dash-dots), its other seeds' curves
+  fainter in the same colour; the legend beside the axes."""
+  fig, ax = plotting.subplots(figsize=(8, 4))
+  for i, (name, runs) in enumerate(seed_groups(records).items()):
+    for j, r in enumerate(runs):
+      steps, losses = zip(*r["curve"])
+      ax.plot(steps, losses, marker=".", ls="-" if i < 10 else "-.", color=f"C{i % 10}", alpha=1.0 if j == 0 else 0.45,
+              label=name + (f" ({len(runs)} seeds)" if len(runs) > 1 else "") if j == 0 else None)
   ax.axhline(records[0]["softmax_eval_loss"], color="k", ls="--", lw=1, label="softmax before swap")
   ax.set(xlabel="fine-tune step (0 = right after the swap)", ylabel="eval loss", yscale="log",
          title=f"Swapping attention in a softmax-trained {config.task} model")
   ax.grid(alpha=0.3)
-  ax.legend(fontsize=7)
+  ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
   path = os.path.join(workdir, "backward_compat.png")
   return [plotting.save(fig, path)]
