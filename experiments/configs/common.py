@@ -4,6 +4,8 @@ Also the rules every study shares: the quick version, dotted overrides, variants
 ``experiments.train.paths.check_workdir``'s).
 """
 
+import re
+
 import ml_collections
 
 
@@ -51,6 +53,11 @@ def with_seeds(variants, seeds) -> tuple:
   ``train.seed`` = s (for means over seeds, ``experiments.train.sweep.mean_over_seeds``)."""
   return tuple((name, fields) if i == 0 else (f"{name}_seed{seed}", {**fields, "train.seed": seed})
                for name, fields in variants for i, seed in enumerate(seeds))
+
+
+def seedless(name: str) -> str:
+  """A run's variant name without the seed suffix :func:`with_seeds` gives it ("NAME_seedS" -> "NAME")."""
+  return re.sub(r"_seed\d+$", "", name)
 
 
 def favor_variant(kernel: str, **attention) -> dict:

@@ -20,12 +20,12 @@ from __future__ import annotations
 
 import copy
 import os
-import re
 
 import jax
 from flax import traverse_util
 
 from experiments import tasks
+from experiments.configs import common
 from experiments.studies import activations
 from experiments.train import plotting, sweep, training
 from favor_jax import layers
@@ -188,10 +188,10 @@ def summarize(records, config) -> str:
 
 
 def seed_groups(records) -> dict[str, list[dict]]:
-  """{variant: its runs}, seed s > 0 of a variant being NAME_seedS (``common.with_seeds``)."""
+  """{variant: its runs}, the seeds of a variant grouped under its name (``common.seedless``)."""
   groups: dict[str, list[dict]] = {}
   for r in records:
-    groups.setdefault(re.sub(r"_seed\d+$", "", r["name"]), []).append(r)
+    groups.setdefault(common.seedless(r["name"]), []).append(r)
   return groups
 
 

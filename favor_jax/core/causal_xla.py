@@ -206,7 +206,7 @@ def chunked(features, q, k, v, mask, *, chunk_size: int = 64, block_chunks: int 
 
   def body(c, x):
     c, y = _chunked_block(features, chunk, c, *x)
-    return c, state_lib.divide(y[..., :-2], y[..., -2]) if divide else y
+    return c, state_lib.divide(*columns(y)[:2]) if divide else y
 
   xs = [q, k, v, mask] + [x for x in (gate, key_offset) if x is not None]
   carry, y = over_blocks(body, carry, xs, chunk, chunk * block_chunks)
@@ -236,6 +236,7 @@ def over_blocks(body, carry, xs, chunk: int, block: int):
     carry, y = jax.lax.scan(jax.checkpoint(body), carry, jax.tree.map(to_blocks, xs))
     y = jnp.moveaxis(y, 0, 1).reshape((n, padded) + y.shape[3:])
   return carry, y[:, :length]
+
 
 def exclusive_prefix(state: RecurrentState, axis_name) -> RecurrentState:
   """The state of every key on the devices before this one along ``axis_name`` (inside ``shard_map``).

@@ -165,7 +165,6 @@ def test_the_control_variate_limits_are_the_plain_hybrid_and_favor():
     np.testing.assert_array_equal(hybrid(control_variate=off)(q, k, v, proj, g), plain)
 
 
-
 def _products_outside_loops(jaxpr) -> int:
   """dot_generals of ``jaxpr`` (and the jaxprs it calls) that no ``scan`` runs: products of a separate pass."""
   count = 0

@@ -140,7 +140,6 @@ def test_summary_says_mean_over_seeds_only_over_several_seeds():
   assert "## Mean over seeds" in text
 
 
-
 def test_conversion_summary_gives_each_variants_mean_and_every_seed_against_its_own_control():
   from experiments.configs import backward_compat as backward_compat_config
   from experiments.studies import backward_compat
