@@ -231,6 +231,20 @@ def test_key_mask_equals_truncated_sequence(name, maybe_jit):
   np.testing.assert_allclose(masked, truncated, rtol=1e-5, atol=1e-6)
 
 
+@functools.cache
+def _four(name):
+  """The statistic, favor_attention, hybrid_attention and attention_weights of kernel ``name``, jitted (one
+  program per shape and dtype, shared by the scales)."""
+  proj, kern = _proj(), kernels.KERNELS[name]
+
+  def four(q, k, v, mask=None):
+    masks = {} if mask is None else dict(key_mask=mask, query_mask=mask)
+    return (kern.compute_statistic(q, k, mask, mask), core.favor_attention(q, k, v, proj, kernel=name, **masks),
+            core.hybrid_attention(q, k, v, proj, window=3, kernel=name, **masks),
+            core.attention_weights(q, k, proj, kernel=name, **masks))
+  return jax.jit(four)
+
+
 @pytest.mark.slow(default_tier_covers=())
 @pytest.mark.parametrize("scale, dtype", [(1.0, jnp.float32), (20.0, jnp.float32), (20.0, jnp.bfloat16)])
 @pytest.mark.parametrize("name", kernels.data_dependent_names())
@@ -241,19 +255,11 @@ def test_padding_reaches_no_real_row_of_a_data_dependent_kernel(name, scale, dty
   attention_weights and the statistic. FAVOR++'s ρ is checked against its definition, the mean over real
   pairs of ‖xᵢ + yⱼ‖²/d in float64."""
   q, k, v = (x.astype(dtype) for x in _qkv(scale=scale))
-  proj, real = _proj(), jnp.array([30, 21])
+  real = jnp.array([30, 21])
   pad = jnp.arange(L)[None, :] < real[:, None]
   junk = lambda x, fill: jnp.where(pad[..., None, None], x, jnp.asarray(fill, x.dtype))
   q_pad, k_pad = junk(q, 50.0 * scale).at[0, -1].set(jnp.nan), junk(k, -50.0 * scale).at[1, -2].set(jnp.nan)
-  kern = kernels.KERNELS[name]
-
-  def four(q, k, v, mask=None):  # the statistic, favor_attention, hybrid_attention, attention_weights
-    masks = {} if mask is None else dict(key_mask=mask, query_mask=mask)
-    return (kern.compute_statistic(q, k, mask, mask), core.favor_attention(q, k, v, proj, kernel=name, **masks),
-            core.hybrid_attention(q, k, v, proj, window=3, kernel=name, **masks),
-            core.attention_weights(q, k, proj, kernel=name, **masks))
-
-  four = jax.jit(four)  # one program per shape
+  kern, four = kernels.KERNELS[name], _four(name)
   # Float32: summation order only (the statistic's last bit; at ×20 the features' exponents are in the
   # hundreds and carry it ×100). Bfloat16: the same inputs, both sides rounded to bfloat16 (outputs ~1).
   tol = dict(rtol=2e-2, atol=2e-2) if dtype == jnp.bfloat16 else dict(rtol=1e-5 * scale**1.5, atol=1e-6 * scale**1.5)
