@@ -470,6 +470,14 @@ def test_padded_self_attention_of_a_data_dependent_kernel_gives_the_unpadded_row
   np.testing.assert_allclose(stat, want, rtol=1e-5, atol=1e-7)
 
 
+@functools.cache
+def _linen_momentum_layer(kernel, dtype):
+  """A causal Linen layer with ρ momentum 0.5: its init and its training apply, jitted once per kernel and
+  dtype (the scales share the programs)."""
+  layer = flin.FavorAttention(num_heads=H, num_features=M, kernel=kernel, causal=True, rho_momentum=0.5, dtype=dtype)
+  return jax.jit(layer.init), jax.jit(functools.partial(layer.apply, deterministic=False, mutable=["favor"]))
+
+
 @pytest.mark.slow(default_tier_covers=())
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("scale", [1.0, 20.0])
@@ -486,11 +494,9 @@ def test_a_batch_element_of_padding_alone_leaves_the_running_statistic_alone(api
   nothing = jnp.zeros_like(mask)  # a batch of padding only
   for kernel in core.kernels.data_dependent_names():
     if api == "linen":
-      layer = flin.FavorAttention(num_heads=H, num_features=M, kernel=kernel, causal=True, rho_momentum=0.5,
-                                  dtype=dtype)
-      variables = _init(layer, x)
+      init, train = _linen_momentum_layer(kernel, dtype)
+      variables = init(jax.random.PRNGKey(0), x)
       params = variables["params"]
-      train = jax.jit(functools.partial(layer.apply, deterministic=False, mutable=["favor"]))
       first = train(variables, batch, mask=mask)[1]["favor"]["rho"]
       kept = {**variables, "favor": {**variables["favor"], "rho": first}}
       again = train(kept, batch, mask=nothing)[1]["favor"]["rho"]
