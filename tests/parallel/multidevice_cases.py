@@ -51,18 +51,25 @@ def _out_and_grads(f):
   return run
 
 
+@functools.cache
+def _single_device(kernel, causal, masked):
+  """One device's output and gradients on ``_inputs(length=100)``, jitted once per kernel, direction and masking
+  (the eager and the jitted split of a case compare against the same program)."""
+  _, _, _, w, mask = _inputs(length=100)
+  return jax.jit(_out_and_grads(lambda q, k, v: core.favor_attention(
+      q, k, v, w, kernel=kernel, causal=causal, key_mask=mask if masked else None, chunk_size=8)))
+
+
 @pytest.mark.parametrize("kernel,causal,masked,jit", CASES)
 def test_sequence_parallel_equals_single_device(kernel, causal, masked, jit):
   q, k, v, w, mask = _inputs(length=100)  # 100: divisible by neither the 8 devices nor the chunk size 8
   key_mask = mask if masked else None
   mesh = jax.make_mesh((8,), ("seq",), axis_types=(AxisType.Auto,))
-  single = lambda q, k, v: core.favor_attention(q, k, v, w, kernel=kernel, causal=causal, key_mask=key_mask,
-                                                chunk_size=8)
   split = lambda q, k, v: parallel.sequence_parallel_attention(
       q, k, v, w, mesh=mesh, axis_name="seq", kernel=kernel, causal=causal, key_mask=key_mask, chunk_size=8)
   split = _out_and_grads(split)
   split = jax.jit(split) if jit else split  # eager: the shard_map still runs compiled, everything around it not
-  (out_split, g_split), (out_single, g_single) = split(q, k, v), jax.jit(_out_and_grads(single))(q, k, v)
+  (out_split, g_split), (out_single, g_single) = split(q, k, v), _single_device(kernel, causal, masked)(q, k, v)
   np.testing.assert_allclose(out_split, out_single, atol=1e-5, rtol=1e-5)
   for a, b in zip(g_split, g_single):
     np.testing.assert_allclose(a, b, atol=1e-5 * float(jnp.abs(b).max()), rtol=1e-5)
