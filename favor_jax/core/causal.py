@@ -150,7 +150,7 @@ def _fused(features, q, k, v, mask, gate, chunk_size, precision, *, return_scale
                   default=_unavailable("causal_method='pallas' has no fused kernel for this platform (TPU: Mosaic; "
                                        "CUDA, ROCm: Triton; CPU: interpreted); use causal_method='chunked'"))
   out = fused_rows.run(programs, fused_rows.xla_redo(_xla(precision), chunk_size), features, q, k, v, gate, mask)
-  return state_lib.divide(*out[:2]) if divide else (tuple(out) if return_scale else tuple(out[:2]))
+  return state_lib.divide(*out[:2]) if divide else tuple(out[:3] if return_scale else out[:2])
 
 
 def auto(features, q, k, v, mask, *, chunk_size: int = 64, return_scale: bool = False, divide: bool = False,
@@ -171,8 +171,9 @@ def auto(features, q, k, v, mask, *, chunk_size: int = 64, return_scale: bool = 
 def pallas(features, q, k, v, mask, *, chunk_size: int = 64, return_scale: bool = False, divide: bool = False,
            gate=None, precision=None):
   """The chunked pass as fused Pallas kernels, Mosaic on a TPU and Triton on a GPU (chosen where lowered),
-  interpreted on a CPU (:func:`interpreted_target`); rows that lost their terms redone by the XLA chunked
-  pass. ``divide``: the output num/den only, as :func:`chunked` gives it.
+  interpreted on a CPU (:func:`interpreted_target`); rows that lost their terms in a chunk's product computed
+  again alone inside the Mosaic kernels, the call redone by the XLA chunked pass where the Triton kernels
+  lose one (or a row is still lost). ``divide``: the output num/den only, as :func:`chunked` gives it.
 
   Raises:
     ValueError: features that are not pure exponentials, a chunk that is not a power of two >= 16, or

@@ -5,7 +5,8 @@ Here "program" means a GPU or TPU program (its Pallas kernel bodies included); "
 :mod:`favor_jax.core.kernels` means the estimator's feature map. One module per target, plus what they share:
 
 - :mod:`~favor_jax.core.fused.tpu`: the Mosaic programs (TPU), features computed on chip where the kernel
-  record's ``fused_map`` says how;
+  record's ``fused_map`` says how, a row that lost its terms in its chunk's product computed again alone
+  inside the kernels (bodies in :mod:`~favor_jax.core.fused.tpu_bodies`);
 - :mod:`~favor_jax.core.fused.gpu`: the Triton programs (GPU; Pallas's interpreter elsewhere), with their
   kernel bodies in :mod:`~favor_jax.core.fused.gpu_bodies`;
 - :mod:`~favor_jax.core.fused.rows`: what both share: the inputs as padded head-major rows, the

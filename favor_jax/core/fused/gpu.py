@@ -311,4 +311,4 @@ def causal(features, q, k, v, mask, *, chunk_size: int = 64, blocks: Blocks | No
   # A later key in a row's chunk raised its scale so far that its terms may have left float32's range: redo the
   # call with the XLA pass, which computes such chunks per token (decided inside one custom VJP: fused.rows.run).
   out = fused_rows.run(program(blocks), fused_rows.xla_redo(fallback, blocks.chunk), features, q, k, v, gate, mask)
-  return out if return_scale else out[:2]
+  return out[:3] if return_scale else out[:2]

@@ -136,8 +136,9 @@ def gate_grad(x, g):
 
 
 class Program(NamedTuple):
-  """One target's fused pass: ``forward(features, q, k, v, gate, mask) -> (num, den, scale)`` (scale [N, L, H]
-  the rows' log-scales, −∞ where a row sees no key: the only statistic kept for the backward) and
+  """One target's fused pass: ``forward(features, q, k, v, gate, mask) -> (num, den, scale[, recomputed])``
+  (scale [N, L, H] the rows' log-scales, −∞ where a row sees no key: the only statistic kept for the backward;
+  recomputed [N, H] int32 the rows the kernel computed again alone, where it does) and
   ``backward(features, params, q, k, v, gate, mask, scale, dnum, dden) -> (dq, dk, dv, dgate, dparams)``
   (``features`` without its arrays, rebuilt from ``params`` there: :func:`favor_jax.core.features.rebuilt`;
   ``dparams`` as ``params``, None where one is None)."""
@@ -146,9 +147,10 @@ class Program(NamedTuple):
 
 
 def run(programs, redo, features, q, k, v, gate, mask):
-  """(num, den, scale) by ``programs`` (a :class:`Program`, or a dict of them by ``jax.lax.platform_dependent``'s
-  keywords: the target chosen where the program is lowered), or by ``redo`` (``redo(features, q, k, v, gate,
-  mask)``, the XLA pass; None: never, tests only) where a row lost its terms (:func:`lost_rows`).
+  """(num, den, scale, recomputed) by ``programs`` (a :class:`Program`, or a dict of them by
+  ``jax.lax.platform_dependent``'s keywords: the target chosen where the program is lowered), or by ``redo``
+  (``redo(features, q, k, v, gate, mask)``, the XLA pass; None: never, tests only) where a row lost its terms
+  (:func:`lost_rows`); recomputed [N, H]: the rows the kernel computed again alone (0 where a target does not).
 
   One custom VJP around all of it: the forward takes the target's forward and one ``cond`` whose branches
   return outputs only (the redo's primal), the backward the target's backward or, where the forward redid
@@ -160,23 +162,30 @@ def run(programs, redo, features, q, k, v, gate, mask):
   return _run(programs, redo, static, q, k, v, gate, mask, *params)
 
 
+def _outputs(out, q):
+  """A program's forward as (num, den, scale, recomputed): a count of 0 per (sequence, head) if it gives none."""
+  out = tuple(out)
+  return out if len(out) == 4 else out + (jnp.zeros((q.shape[0], q.shape[2]), jnp.int32),)
+
+
 def _forward(programs, redo, static, q, k, v, gate, mask, params):
   features = features_lib.rebuilt(static, params)
   if isinstance(programs, Program):
-    out = tuple(programs.forward(features, q, k, v, gate, mask))
+    out = _outputs(programs.forward(features, q, k, v, gate, mask), q)
   else:
     out = _platform_forward(programs, static, q, k, v, gate, mask, params)
+  out, recomputed = out[:3], out[3]
   if redo is None:
-    return out, out[2], jnp.zeros((), bool)
+    return out + (recomputed,), out[2], jnp.zeros((), bool)
   lost = jnp.any(lost_rows(out[1], out[2]))
   final = jax.lax.cond(lost, lambda: tuple(redo(features, q, k, v, gate, mask)), lambda: out)
-  return final, out[2], lost
+  return final + (recomputed,), out[2], lost
 
 
 def _platform_forward(programs, static, q, k, v, gate, mask, params):
   def branch(prog):
-    return lambda q, k, v, gate, mask, params: tuple(
-        prog.forward(features_lib.rebuilt(static, params), q, k, v, gate, mask))
+    return lambda q, k, v, gate, mask, params: _outputs(
+        prog.forward(features_lib.rebuilt(static, params), q, k, v, gate, mask), q)
   return jax.lax.platform_dependent(q, k, v, gate, mask, params,
                                     **{p: branch(prog) for p, prog in programs.items()})
 
@@ -202,7 +211,7 @@ def _run_fwd(programs, redo, static, q, k, v, gate, mask, *params):
 def _run_bwd(programs, redo, static, res, cts):
   res, cts = jax.tree.map(first_order_only, (res, cts))
   q, k, v, gate, mask, params, scale, lost = res
-  dnum, dden, _ = cts  # the scale is a constant (as in the XLA pass)
+  dnum, dden = cts[:2]  # the scale is a constant (as in the XLA pass), the count an integer
 
   def fused():
     return tuple(_platform_backward(programs, static, params, q, k, v, gate, mask, scale, dnum, dden))

@@ -25,9 +25,13 @@ in XLA within each segment between resets. Feature widths are padded to the lane
 not padded (a block as wide as its array); the chunk is a multiple of 128 when compiled (8 when
 interpreted), L a multiple of the chunk. Products of features and values take bfloat16 operands where every
 input is bfloat16 and the precision is the default, products with a state (and the projection's) float32
-ones. A later key in a row's chunk can raise its scale m_t above its largest term; rows whose denominator
-falls below e^{−SAFE_GAP} are detected and the call is redone by the XLA pass (never a silent zero), decided
-inside the custom VJP (:func:`favor_jax.core.fused.rows.run`).
+ones. A later key in a row's chunk can raise its scale m_t above its largest term: a row whose denominator
+falls below e^{−SAFE_GAP} is computed again alone inside the forward kernel at its exact scale (never a
+silent zero; O(C·F) on the VPU per such row, and for a chunk with any, one more product with its state), and
+the backward kernels recompute the same rows' terms alone (they know them by m_t lying far below the chunk's
+one-product scale). The number of such rows is a returned statistic (``return_recomputed``); a row still
+lost after that (none is expected) redoes the call by the XLA pass, decided inside the custom VJP
+(:func:`favor_jax.core.fused.rows.run`).
 Shape letters: see :mod:`favor_jax.core`; R = N·H rows, C rows per chunk, F features (padded), D head dim.
 """
 
@@ -78,10 +82,10 @@ def mosaic_precision(precision):
 
 def _call(kernel, cfg, rows, f, e, ins, outs, reverse=False, d=None, groups=1):
   """``kernel`` over the grid (R rows, chunks); ``ins``/``outs``: per array, its kind ("f" [C, F], "e"
-  [C, E], "1" [C, 1], "g" the gate [1, C], "x" [C, D] rows of q or k, "p" the projection [F, D] of the row's
-  head (``groups``: 1 shared, H per head), "n" the normaliser [1, F], "P" an accumulated [F, D] per row) and,
-  for outs, its dtype; scratch: a state (μ [1, F], Sᵀ [E, F], z [1, F]); E = Dv, unpadded (a block as wide
-  as its array)."""
+  [C, E], "1" [C, 1], "g" the gate [1, C], "k" one number per chunk [1, 1], "x" [C, D] rows of q or k, "p" the
+  projection [F, D] of the row's head (``groups``: 1 shared, H per head), "n" the normaliser [1, F], "P" an accumulated
+  [F, D] per row) and, for outs, its dtype; scratch: a state (μ [1, F], Sᵀ [E, F], z [1, F]); E = Dv, unpadded (a block
+  as wide as its array)."""
   c, n_chunks = cfg.chunk, rows // cfg.chunk
   chunk = (lambda i, j: (i, n_chunks - 1 - j, 0)) if reverse else (lambda i, j: (i, j, 0))
   spec = {"f": pl.BlockSpec((None, c, f), chunk), "e": pl.BlockSpec((None, c, e), chunk),
@@ -89,9 +93,11 @@ def _call(kernel, cfg, rows, f, e, ins, outs, reverse=False, d=None, groups=1):
           "p": pl.BlockSpec((None, f, d), lambda i, j: (i % groups, 0, 0)),
           "n": pl.BlockSpec((1, f), lambda i, j: (0, 0)),
           "P": pl.BlockSpec((None, f, d), lambda i, j: (i, 0, 0)),
-          "g": pl.BlockSpec((None, None, 1, c), lambda i, j: chunk(i, j) + (0,))}
+          "g": pl.BlockSpec((None, None, 1, c), lambda i, j: chunk(i, j) + (0,)),
+          "k": pl.BlockSpec((None, None, 1, 1), lambda i, j: chunk(i, j) + (0,))}
   n = ins[0][1].shape[0]
-  shape = {"f": (n, rows, f), "e": (n, rows, e), "1": (n, rows, 1), "x": (n, rows, d), "P": (n, f, d)}
+  shape = {"f": (n, rows, f), "e": (n, rows, e), "1": (n, rows, 1), "x": (n, rows, d), "P": (n, f, d),
+           "k": (n, n_chunks, 1, 1)}
   params = dict(interpret=cfg.interpret) if cfg.interpret else dict(
       compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")))
   return pl.pallas_call(
@@ -118,7 +124,7 @@ def _forward(lq, lk, v, g, cfg):
   return _call(forward_body, cfg, length, f, v.shape[-1], _ins(lq, lk, v, g, cfg), _FORWARD_OUTS)
 
 
-_FORWARD_OUTS = [("e", jnp.float32), ("1", jnp.float32), ("1", jnp.float32)]  # num, den, m
+_FORWARD_OUTS = [("e", jnp.float32), ("1", jnp.float32), ("1", jnp.float32), ("k", jnp.float32)]  # num, den, m, count
 
 
 def feature_map(features) -> str | None:
@@ -134,11 +140,11 @@ def feature_map(features) -> str | None:
   return name
 
 
-def _projection_rows(projection, name, f_pad, d):
-  """(p [G, F, D] float32, fb [1, F]): the projection as the kernels read it (scaled by d^{-1/4}; hyperbolic:
-  stacked with its negative; padded with zero rows to F), and the log-normaliser (−∞ on padded features).
-  G = 1 for a shared [M, D] projection, H for one per head [H, M, D]."""
-  w = projection.astype(jnp.float32) * d ** -0.25
+def _projection_rows(projection, name, f_pad):
+  """(p [G, F, D] float32, fb [1, F]): the projection as the kernels read it (hyperbolic: stacked with its
+  negative; padded with zero rows to F), and the log-normaliser (−∞ on padded features). G = 1 for a shared
+  [M, D] projection, H for one per head [H, M, D]."""
+  w = projection.astype(jnp.float32)
   w = w[None] if w.ndim == 2 else w
   if name == "hyperbolic":
     w = jnp.concatenate([w, -w], axis=-2)
@@ -157,7 +163,7 @@ def program(cfg: Config) -> fused_rows.Program:
   and the row scales."""
   def on_chip(rows, q, k, mask, projection, features):
     f_pad = -(-jax.eval_shape(lambda: head_major(features, q, k)[0].log).shape[-1] // LANE) * LANE
-    p, fb = _projection_rows(projection, cfg.feature_map, f_pad, q.shape[-1])
+    p, fb = _projection_rows(projection, cfg.feature_map, f_pad)
     n, length, h = q.shape[:3]
     key_bias = jnp.where(jnp.broadcast_to(mask[:, :, None], (n, length, h)), 0.0, NEG_INF)
     x_ins = [("x", rows.of(q, 0.0)), ("x", rows.of(k, 0.0))]
@@ -173,11 +179,13 @@ def program(cfg: Config) -> fused_rows.Program:
     vv = rows.value_rows(v)
     if cfg.feature_map:
       x_ins, extra, f, groups = on_chip(rows, q, k, mask, features.params[0], features)
-      num, den, m = _call(forward_body, cfg, vv.shape[1], f, vv.shape[-1], ins_of(x_ins, vv, extra, rows.gate),
-                          _FORWARD_OUTS, d=q.shape[-1], groups=groups)
+      num, den, m, count = _call(forward_body, cfg, vv.shape[1], f, vv.shape[-1],
+                                 ins_of(x_ins, vv, extra, rows.gate), _FORWARD_OUTS, d=q.shape[-1], groups=groups)
     else:
-      num, den, m = _forward(*rows.log_rows(q, k), vv, rows.gate, cfg)
-    return rows.back(num), rows.back(den[..., 0]), rows.back(jnp.where(rows.seen, m[..., 0], NEG_INF))
+      num, den, m, count = _forward(*rows.log_rows(q, k), vv, rows.gate, cfg)
+    recomputed = jnp.sum(count, axis=(1, 2, 3)).astype(jnp.int32).reshape(q.shape[0], q.shape[2])
+    return (rows.back(num), rows.back(den[..., 0]), rows.back(jnp.where(rows.seen, m[..., 0], NEG_INF)),
+            recomputed)
 
   def backward(static, params, q, k, v, gate, mask, scale, dnum, dden):
     features = features_lib.rebuilt(static, params)
@@ -222,7 +230,7 @@ def program(cfg: Config) -> fused_rows.Program:
     dq = fused_rows.transpose(of_x, q, dq_rows.astype(q.dtype))
     dk = fused_rows.transpose(of_x, k, dk_rows.astype(k.dtype))
     dp = (dpq + dpk).reshape((-1, groups) + dpq.shape[1:]).sum(0)  # [G, F, D]: rows are (sequence, head)
-    _, p_vjp = jax.vjp(lambda w: _projection_rows(w, cfg.feature_map, f, d)[0], projection)
+    _, p_vjp = jax.vjp(lambda w: _projection_rows(w, cfg.feature_map, f)[0], projection)
     (dproj,) = p_vjp(dp)
     dg = None if gate is None else sq[0][..., 0] - sk[0][..., 0]
     return (dq, dk, *finish(rows, v, gate, dvv, dg), (dproj, None))
@@ -237,22 +245,24 @@ def config(q, k, v, gate, *, chunk_size: int, precision, interpret, features=Non
   operands = "bfloat16" if jnp.result_type(q, k, v) == jnp.bfloat16 and precision is None else "float32"
   name = None if features is None else feature_map(features)
   return Config(c, interpret, mosaic_precision(precision), operands, gate is not None, name,
-                0.5 / math.sqrt(q.shape[-1]))
+                q.shape[-1] ** -0.25)
 
 
 def causal(features, q, k, v, mask, *, chunk_size: int = 128, gate=None, precision=None, interpret=False,
-           return_scale: bool = False, fallback=None):
+           return_scale: bool = False, return_recomputed: bool = False, fallback=None):
   """Causal linear attention through the Mosaic kernels: (numerator [N, L, H, Dv], denominator [N, L, H]).
 
   The contract of :func:`favor_jax.core.causal_xla.chunked` (both times the same per-row factor e^{−scale};
-  ``return_scale`` adds the scale [N, L, H], −∞ where a row sees no key). ``gate`` [N, L, H]: log forget
-  gates (≤ 0, −∞ a reset: segment starts are −∞ gates). The feature map must give pure exponentials
-  (:func:`~favor_jax.core.features.exponential_features`); others raise ``ValueError``. ``precision``: of every
-  dot, forward and backward (:func:`mosaic_precision`). ``interpret``: False, Mosaic (a TPU, or lowering
-  for one); True, Pallas's generic interpreter (any machine; no side effects, so it may sit in a
-  ``platform_dependent`` branch); a ``pltpu.InterpretParams``, Pallas's TPU interpret mode (any machine; it
-  also checks reads out of bounds and of uninitialised memory). ``fallback``: the pass that redoes the call
-  where rows lost their terms, called as
+  ``return_scale`` adds the scale [N, L, H], −∞ where a row sees no key; ``return_recomputed`` adds the number
+  of rows [N, H] int32 the kernels computed again alone, those that lost their terms in their chunk's
+  product). ``gate`` [N, L, H]: log forget gates (≤ 0, −∞ a reset: segment starts are −∞ gates). The feature
+  map must give pure exponentials (:func:`~favor_jax.core.features.exponential_features`); others raise
+  ``ValueError``. ``precision``: of every dot, forward and backward (:func:`mosaic_precision`).
+  ``interpret``: False, Mosaic (a TPU, or lowering for one); True, Pallas's generic interpreter (any machine;
+  no side effects, so it may sit in a ``platform_dependent`` branch); a ``pltpu.InterpretParams``, Pallas's
+  TPU interpret mode (any machine; it also checks reads out of bounds and of uninitialised memory).
+  ``fallback``: the pass that redoes the call where a row still lost its terms after the kernels' own
+  recompute (a net: none is expected), called as
   ``fallback(features, q, k, v, mask, chunk_size=C, return_scale=True[, gate=gate])``; None (tests only): the
   fused result even there.
 
@@ -264,4 +274,4 @@ def causal(features, q, k, v, mask, *, chunk_size: int = 128, gate=None, precisi
                      "(no multiplier); this kernel's are not: use causal_method='chunked'")
   cfg = config(q, k, v, gate, chunk_size=chunk_size, precision=precision, interpret=interpret, features=features)
   out = fused_rows.run(program(cfg), fused_rows.xla_redo(fallback, cfg.chunk), features, q, k, v, gate, mask)
-  return out if return_scale else out[:2]
+  return out[:3 if return_scale else 2] + (out[3:] if return_recomputed else ())
