@@ -199,8 +199,9 @@ def test_mixed_dtypes_keep_the_float32_inputs_exact():
 def test_gradients_at_x4_and_x20_in_float32_and_bfloat16_match_the_scan(name):
   """Gradients of q, k, v and the feature parameters where the fused pass keeps its chunk (×4) and where rows
   lose their terms in it (×20 positive: the Mosaic kernels, interpreted here, recompute them alone): against
-  the per-token scan's in float32 on the same (rounded) inputs; bfloat16 within bfloat16 rounding (measured
-  ≤ 2.1e-2 of the largest gradient; at ×20 0.4%, as the XLA passes' own on bfloat16 inputs). At ×20 float32
+  the per-token scan's in float32 on the same (rounded) inputs; bfloat16 within 2e-2 of the largest gradient
+  (measured ≤ 0.8%, both kernels, since their bfloat16 weights are rounded once for numerator and denominator:
+  2.1% before; at ×20 0.4%, as the XLA passes' own on bfloat16 inputs). At ×20 float32
   within 5e-5 of the largest: the kernels' ∂v reads a suffix state whose exponents, near ±600, are rounded
   apart by e^{±6e-5} even for a row's dominant key (the scan's dominant term is exactly 1); measured
   2026-12-05 against float64: ∂v 3.2e-5, ∂q 1.9e-5, ∂k 2.6e-6 (the scan's 4e-7, 2.1e-5, 5e-6). Before
@@ -215,7 +216,7 @@ def test_gradients_at_x4_and_x20_in_float32_and_bfloat16_match_the_scan(name):
                                  chunk_size=16)
       return jnp.sum(out.astype(jnp.float32) * weights)
 
-    for dtype, tol in ((jnp.float32, 1e-5 if scale < 20 else 5e-5), (jnp.bfloat16, 4e-2)):
+    for dtype, tol in ((jnp.float32, 1e-5 if scale < 20 else 5e-5), (jnp.bfloat16, 2e-2)):
       args = tuple(x.astype(dtype) for x in (q, k, v))
       got = jax.jit(jax.grad(functools.partial(loss, "pallas"), argnums=(0, 1, 2, 3)))(*args, proj)
       ref = jax.jit(jax.grad(functools.partial(loss, "scan"), argnums=(0, 1, 2, 3)))(

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from favor_jax.core.fused.rows import as_operand
 from favor_jax.core.state import SAFE_GAP
 
 NEG_INF = -jnp.inf
@@ -87,8 +88,9 @@ def absorb(carry, g, x, w, blocks, a=None):
   new = jnp.maximum(mu, jnp.max(g, axis=0))
   shrink = jnp.exp(mu - safe(new))
   p = jnp.exp(g - safe(new)[None, :])
+  p = p if w is not None else as_operand(p, blocks.operands)  # values: S and z sum the same weights
   z_add = jnp.sum(p if w is None else p * w[:, None], axis=0)
-  return new, s * shrink[:, None] + dot(p, x, blocks, trans_a=True), z * shrink + z_add
+  return new, s * shrink[:, None] + dot(p, x, blocks, trans_a=True, state=w is not None), z * shrink + z_add
 
 
 def _store(refs, c, carry):
@@ -174,7 +176,7 @@ def output_kernel(lq_ref, lk_ref, v_ref, mu_ref, s_ref, z_ref, *refs, blocks):
     num += dot(q_state, s_ref[fb, :], blocks, state=True)
     den += jnp.sum(q_state * z_ref[fb][None, :], axis=1)
     a += dot(jnp.exp(lq + lam[None, :] - scale), jnp.exp(lk - safe(lam)[None, :]), blocks, trans_b=True)
-  a = a * weights
+  a = as_operand(a * weights, blocks.operands)  # the weights num takes, summed by den
   num_ref[...] = num + dot(a, v_ref[...], blocks)
   den = den + jnp.sum(a, axis=1)
   den_ref[...] = den if unsafe is None else jnp.where(unsafe, 0.0, den)
@@ -222,7 +224,7 @@ def grads_kernel(lq_ref, lk_ref, v_ref, ms_ref, dnum_ref, dden_ref, mu_ref, s_re
     read, b_end, k_end = ms - b[:, None], jnp.min(b), e[:, None]
     row_state = key_later = jnp.zeros((c_rows,), jnp.float32)
     across = jnp.zeros((), jnp.float32)
-  g = (dot(dnum, v, blocks, trans_b=True) + dden[:, None]) * weights  # ∂/∂(row t's term j)
+  g = (dot(dnum, v, blocks, trans_b=True, state=True) + dden[:, None]) * weights  # ∂/∂(row t's term j); float32 as ∂den
   a = jnp.zeros((c_rows, c_rows), jnp.float32)
   dv = jnp.zeros(dv_ref.shape, jnp.float32)
   for fb in fbs:

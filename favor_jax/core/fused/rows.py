@@ -107,6 +107,14 @@ def _floating_first_order(x):
 first_order_only = _floating_first_order
 
 
+def as_operand(x, operands: str):
+  """x (float32) as a product's operands see it (rounded to the dtype ``operands`` names), in float32. Where a
+  numerator takes weights through such a product, its denominator sums the same ones, and a state's z the
+  same as its S: an output stays a convex combination of its values (with unrounded sums a one-hot row came
+  out as (1 + 2⁻⁹)·v, and its ∂q at ×20, amplified by ‖q‖, 17% of the largest off)."""
+  return x if operands == "float32" else x.astype(operands).astype(jnp.float32)
+
+
 def lost_rows(den, scale):
   """Rows that see a key but whose denominator (≥ their largest term) fell below e^{−SAFE_GAP}.
 

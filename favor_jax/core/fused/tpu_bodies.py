@@ -12,6 +12,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from favor_jax.core.fused import rows as fused_rows
 from favor_jax.core.state import SAFE_GAP
 
 NEG_INF = -jnp.inf
@@ -47,11 +48,8 @@ def _dot(a, b, dims: str, cfg: Config, state: bool = False):
 
 
 def _operand(x, cfg):
-  """x as the products' operands see it (rounded to bfloat16 where ``cfg.operands`` says so), in float32: the
-  weights a row's numerator takes, so that its denominator sums the same ones (an output that is a convex
-  combination of its values; with unrounded sums a one-hot row came out as (1 + 2⁻⁹)·v, and its ∂q at ×20,
-  amplified by ‖q‖, 17% of the largest off)."""
-  return x if cfg.operands == "float32" else x.astype(jnp.bfloat16).astype(jnp.float32)
+  """x as this call's products see their operands (:func:`favor_jax.core.fused.rows.as_operand`)."""
+  return fused_rows.as_operand(x, cfg.operands)
 
 
 def _iota(c, axis):
