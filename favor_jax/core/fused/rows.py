@@ -7,6 +7,7 @@ Shape letters: see :mod:`favor_jax.core`; R = N·H rows of (sequence, head), L p
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -118,6 +119,8 @@ def as_operand(x, operands: str):
 def lost_rows(den, scale):
   """Rows that see a key but whose denominator (≥ their largest term) fell below e^{−SAFE_GAP}.
 
+  Elementwise: the callers' rule and the Mosaic forward kernel's (on its [C, 1] rows), one definition.
+
   Args:
     den: the denominators [N, L, H] (times e^{−scale}).
     scale: the rows' log-scales [N, L, H], −∞ where a row sees no key.
@@ -125,7 +128,7 @@ def lost_rows(den, scale):
   Returns:
     bool [N, L, H].
   """
-  return jnp.isfinite(scale) & (den < jnp.exp(-SAFE_GAP))
+  return jnp.isfinite(scale) & (den < math.exp(-SAFE_GAP))
 
 
 def gate_grad(x, g):

@@ -4,7 +4,6 @@ program are there."""
 
 from __future__ import annotations
 
-import math
 from typing import Any, NamedTuple
 
 import jax
@@ -135,9 +134,9 @@ def _log_features(xs, p, fb, cfg):
 
 def chunk_terms(lq_ref, lk_ref, v_ref, refs, cfg):
   """One chunk's log features (read, or computed from q, k and the projection where ``cfg.feature_map``), its
-  values, the gates' decays (:func:`_decays`) and λ [1, F], and (feature map) the context of the features' backward (q,
-  k in float32 times d^{-1/4}, the projection); ``refs`` starts with the projection's, the normaliser's and the key
-  bias's refs (feature map), then the gate's ref if gated."""
+  values, the gates' decays (:func:`_decays`) and λ [1, F], and (feature map) the context of the features'
+  backward (q, k in float32 times d^{-1/4}, the projection); ``refs`` starts with the projection's, the
+  normaliser's and the key bias's refs (feature map), then the gate's ref if gated."""
   ctx = None
   if cfg.feature_map:
     p_ref, fb_ref, kb_ref, *refs = refs
@@ -240,7 +239,7 @@ def forward_body(lq_ref, lk_ref, v_ref, *refs, cfg):
   num_ref[...] = _dot(eq, st_ref[...], "nt", cfg, state=True) + _dot(w, v, "nn", cfg)
   den = jnp.sum(eq * z_ref[...], axis=1, keepdims=True) + jnp.sum(w, axis=1, keepdims=True)
   den_ref[...], m_ref[...] = den, m
-  lost = jnp.where((m > NEG_INF) & (den < math.exp(-SAFE_GAP)), 1.0, 0.0)
+  lost = jnp.where(fused_rows.lost_rows(den, m), 1.0, 0.0)
   count_ref[...] = jnp.zeros(count_ref.shape, jnp.float32)
 
   @pl.when(jnp.max(lost) > 0)
