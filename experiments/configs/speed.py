@@ -33,7 +33,9 @@ def get_config(arg=None):
   # a CPU they run in Pallas's interpreter, far too slowly for this sweep) (experiments/studies/speed.py: ESTIMATORS);
   # favor_pallas_gated: the fused kernels with a forget gate; tpu_flash_attention, tpu_splash_attention: jax's
   # TPU kernels (experiments/studies/tpu_attention.py; interpreted off a TPU);
-  # any kernel of core.KERNELS by its name (e.g. elu_plus_one, hedgehog) runs with favor_attention's defaults.
+  # any kernel of core.KERNELS by its name (e.g. elu_plus_one, hedgehog) runs with favor_attention's defaults;
+  # NAME_plain_scan, NAME_plain_chunked, NAME_plain_chunked_remat: NAME's raw features with no stabiliser, causal
+  # only (trax's per-token scan; chunks as ours; the same, rematerialised: experiments/studies/plain_passes.py).
   config.methods = ("softmax", "jax_dot_product_attention", "favor", "favor_scan", "favor_cumsum", "favor_sharp",
                     "taylor", "taylor_d16", "hybrid_w64")
   config.causal = (False, True)  # attention modes to time

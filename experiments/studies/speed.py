@@ -24,10 +24,11 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from experiments.studies import isolation, tpu_attention
+from experiments.studies import isolation, plain_passes, tpu_attention
+from experiments.studies.speed_plot import plot  # noqa: F401  (the study's figure, as experiments.main calls it)
 from experiments.studies.timing import check_timing, median_of
 from experiments.train import flops as counts
-from experiments.train import paths, plotting
+from experiments.train import paths
 from favor_jax import core
 
 CHUNK = 64  # favor_attention's default chunk_size, for the FLOP count
@@ -66,6 +67,7 @@ def estimator(name: str) -> Estimator:
 
 
 CAUSAL_ONLY = ("favor_scan", "favor_cumsum", "favor_pallas", "favor_gated", "favor_pallas_gated")
+causal_only = lambda name: name in CAUSAL_ONLY or plain_passes.split(name) is not None  # plain passes: causal
 CHUNKED = ("chunked", "pallas")  # causal methods that compute the masked product inside chunks
 CHECK_ROWS = 256  # query rows compared with the float32 exact reference
 
@@ -92,6 +94,10 @@ def method(name, on_gpu):
     return exact
   if name in tpu_attention.METHODS:
     return tpu_attention.METHODS[name]
+  if plain_passes.split(name):  # a variant's raw features, no stabiliser (causal only)
+    variant, form = plain_passes.split(name)
+    e = estimator(variant)
+    return lambda q, k, v, p, causal: plain_passes.attention(e.kernel, form, q, k, v, p, qk_dim=e.qk_dim, chunk=CHUNK)
   return functools.partial(_linear, estimator(name))
 
 
@@ -119,7 +125,9 @@ def flops(name, causal, b, length, h, d, m, on_gpu=False):
   if name in EXACT:
     skips = (on_gpu and name == "jax_dot_product_attention") or name in tpu_attention.METHODS  # blocks above
     return b * h * length * counts.softmax_flops(length, d, causal=causal, skips_masked=skips)
-  e = estimator(name)
+  variant, form = plain_passes.split(name) or (name, None)
+  e = estimator(variant)
+  e = e._replace(causal_method="scan") if form == "scan" else e
   dq = e.qk_dim or d
   kern = core.get_kernel(e.kernel)
   rows = m if kern.needs_projection else None  # the study gives every kernel that takes one the [M, D] projection
@@ -216,7 +224,7 @@ def jobs(config, ceiling, limit):
   for length in config.seq_lens:
     for name in config.methods:
       for causal in config.causal:
-        if name in CAUSAL_ONLY and not causal:
+        if causal_only(name) and not causal:
           continue
         for pass_ in config.passes:
           yield dict(method=name, causal=causal, seq_len=length, num_features=config.num_features,
@@ -236,13 +244,15 @@ def run(config, progress=print, workdir=None):
     raise ValueError(f"config.memory_limit_gb must be >= 0 (0: auto), got {config.memory_limit_gb!r}")
   if config.memory not in ("process", "compiled"):
     raise ValueError(f"config.memory must be 'process' or 'compiled', got {config.memory!r}")
-  unknown = [m for m in config.methods if m not in EXACT and m not in ESTIMATORS and m not in core.KERNELS]
+  linear = lambda m: m in ESTIMATORS or m in core.KERNELS
+  unknown = [m for m in config.methods if m not in EXACT and not linear((plain_passes.split(m) or (m,))[0])]
   if unknown:
-    raise ValueError(f"config.methods has unknown {unknown}; choose from {list(EXACT) + list(ESTIMATORS)} or a "
-                     f"kernel of core.KERNELS {sorted(core.KERNELS)}")
-  causal_only = [m for m in config.methods if m in CAUSAL_ONLY]
-  if causal_only and True not in config.causal:
-    raise ValueError(f"config.methods {causal_only} time causal attention only, but config.causal="
+    raise ValueError(f"config.methods has unknown {unknown}; choose from {list(EXACT) + list(ESTIMATORS)}, a "
+                     f"kernel of core.KERNELS {sorted(core.KERNELS)}, or either as NAME_plain_FORM, FORM one of "
+                     f"{plain_passes.FORMS} (its raw features, no stabiliser: experiments/studies/plain_passes.py)")
+  causal = [m for m in config.methods if causal_only(m)]
+  if causal and True not in config.causal:
+    raise ValueError(f"config.methods {causal} time causal attention only, but config.causal="
                      f"{tuple(config.causal)} asks for none: add True to config.causal, or drop them")
   on_gpu = jax.default_backend() == "gpu"
   ceiling = matmul_ceiling(jnp.dtype(config.dtype), on_gpu)
@@ -312,7 +322,13 @@ def summarize(records, config) -> str:
       fav = t.get(("favor", True, r["seq_len"], r["pass"]))
       if fav and fav["status"] == "ok":
         lines.append(f"- L={key[2]} {key[3]}: scan / chunked causal = {r['median_s'] / fav['median_s']:.1f}×")
-    if r["method"] not in EXACT + ("favor",) and estimator(r["method"]).causal_method == "chunked":
+    if plain_passes.split(r["method"]):  # the library's stabilised pass against the same features without one
+      ours = t.get((plain_passes.split(r["method"])[0],) + key[1:])
+      if ours and ours["status"] == "ok":
+        lines.append(f"- L={key[2]} causal {key[3]}: {ours['method']} (stabilised) / {r['method']} = "
+                     f"{ours['median_s'] / r['median_s']:.2f}× time, "
+                     f"{ours['peak_bytes'] / r['peak_bytes']:.2f}× memory")
+    elif r["method"] not in EXACT + ("favor",) and estimator(r["method"]).causal_method == "chunked":
       fav = t.get(("favor",) + key[1:])
       if fav and fav["status"] == "ok":
         lines.append(f"- L={key[2]} {'causal' if key[1] else 'bidirectional'} {key[3]}: {r['method']} / FAVOR+ = "
@@ -334,62 +350,6 @@ def summarize(records, config) -> str:
     lines.append(f"- crossover: FAVOR+ bidirectional fwd beats {exact} from L={cross[0]}" if cross
                  else f"- crossover: FAVOR+ bidirectional fwd does not beat {exact} in this sweep")
   return "\n".join(lines) + "\n"
-
-
-STATUS_WORDS = {"out_of_memory": "out of memory", "skipped_too_slow": "skipped as too slow"}
-PASS_STYLE = {"fwd": dict(linestyle="-", marker="o"), "fwd_bwd": dict(linestyle="--", marker="s")}
-
-
-def _not_shown(records) -> list[str]:
-  """Which points are missing and why, one line per method, e.g.
-  "softmax: out of memory (fwd from L=64k, fwd+bwd from L=16k)"."""
-  first = {}
-  for r in records:
-    if r["status"] != "ok":
-      key = (r["method"], STATUS_WORDS.get(r["status"], r["status"]), r["pass"].replace("_", "+"))
-      first[key] = min(first.get(key, r["seq_len"]), r["seq_len"])
-  lines = {}
-  for (name, status, pass_), length in sorted(first.items()):
-    lines.setdefault((name, status), []).append(f"{pass_} from L={plotting.short_number(length)}")
-  return [f"{name}: {status} ({', '.join(where)})" for (name, status), where in lines.items()]
-
-
-def plot(records, config, workdir):
-  """Time and memory against L: bidirectional and causal rows, colour = method, line style = pass."""
-  import matplotlib.lines as mlines
-  fig, axes = plotting.subplots(2, 2, figsize=(11, 7), sharex=True)
-  color = dict(zip(config.methods, plotting.distinct_colors(len(config.methods))))
-  memory = "peak memory, own process (MB)" if config.memory == "process" else "compiled memory (MB)"
-  for row, causal in enumerate((False, True)):
-    for name in config.methods:
-      for pass_ in config.passes:
-        pts = sorted((r["seq_len"], r) for r in records if (r["method"], r["causal"], r["pass"]) ==
-                     (name, causal, pass_) and r["status"] == "ok")
-        if not pts:
-          continue
-        lengths = [x for x, _ in pts]
-        behind = len(config.methods) - 1 - config.methods.index(name)  # wider underneath: equal values show
-        style = dict(color=color[name], lw=1.2 + 0.4 * behind, ms=3 + behind, **PASS_STYLE[pass_])
-        axes[row][0].plot(lengths, [r["median_s"] for _, r in pts], **style)
-        axes[row][1].plot(lengths, [r["peak_bytes"] / 2**20 for _, r in pts], **style)
-    mode = "causal" if causal else "bidirectional"
-    for ax, what in zip(axes[row], ("time (s)", memory)):
-      ax.set(title=f"{mode}: {what.split(' (')[0]}", ylabel=what)
-      plotting.log2_ticks(ax, config.seq_lens)
-      plotting.plain_log(ax)
-      ax.grid(alpha=0.3)
-  for ax in axes[1]:
-    ax.set_xlabel("sequence length L")
-  handles = [mlines.Line2D([], [], color=color[m], label=m) for m in config.methods]
-  handles += [mlines.Line2D([], [], color="black", label="fwd+bwd" if p == "fwd_bwd" else p, **PASS_STYLE[p])
-              for p in config.passes]
-  plotting.legend_right(fig, handles, [h.get_label() for h in handles])
-  fig.suptitle(f"B={config.batch} H={config.heads} D={config.head_dim} M={config.num_features} {config.dtype}")
-  missing = _not_shown(records)
-  if missing:
-    fig.text(0.01, 0, "Not shown: " + "; ".join(missing), fontsize=8, va="top", wrap=True)
-  path = f"{workdir}/speed_memory_vs_length.png"
-  return [plotting.save(fig, path)]
 
 
 if __name__ == "__main__":

@@ -124,6 +124,53 @@ def test_speed_names_the_kernels_it_can_time_when_a_method_is_unknown():
     main.run(config, "/nonexistent/never/written")
 
 
+@pytest.mark.slow  # the speed study's baselines, not a guarantee of the library
+@pytest.mark.parametrize("variant", ["relu", "elu_plus_one", "taylor_d16"])
+def test_plain_passes_equal_the_explicit_causal_form_of_the_raw_features(variant):
+  """The unstabilised baselines (trax's per-token scan; chunks of 8, rematerialised or not) against the masked
+  quadratic form of the same raw features in float64; their names parse, a bidirectional request is refused,
+  and a misspelled form is an unknown method."""
+  import numpy as np
+
+  from experiments import main
+  from experiments.configs import speed as cfg
+  from experiments.studies import plain_passes, speed
+
+  q, k, v, p = speed.inputs(24, heads=2, head_dim=16, num_features=32)
+  e = speed.estimator(variant)
+  fq, fk = (np.asarray(f, np.float64) for f in core_kernel_features(e, q, k, p))
+  a = np.einsum("blhf,bjhf->bhlj", fq, fk) * np.tril(np.ones((24, 24)))
+  want = np.einsum("bhlj,bjhd->blhd", a, np.asarray(v, np.float64)) / a.sum(-1).transpose(0, 2, 1)[..., None]
+  for form in plain_passes.FORMS:
+    assert plain_passes.split(f"{variant}_plain_{form}") == (variant, form)
+    got = plain_passes.attention(e.kernel, form, q, k, v, p, qk_dim=e.qk_dim, chunk=8)
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5, err_msg=form)
+  assert plain_passes.split(f"{variant}_plain_cumsum") is None
+  if variant == "relu":  # positively homogeneous: the same attention at any input scale, which ours keeps
+    from favor_jax import core
+
+    tiny = 1e-19  # the raw products underflow: 0/0 in the rows whose features all do
+    assert not np.isfinite(plain_passes.attention("relu", "chunked", tiny * q, tiny * k, v, p, chunk=8)).all()
+    ours = core.favor_attention(tiny * q, tiny * k, v, p, kernel="relu", causal=True, chunk_size=8)
+    np.testing.assert_allclose(ours, want, rtol=2e-5, atol=2e-5)
+  config = cfg.get_config("quick")
+  config.methods, config.causal = (f"{variant}_plain_scan",), (False,)
+  with pytest.raises(ValueError, match="time causal attention only"):
+    main.run(config, "/nonexistent/never/written")
+  config.methods, config.causal = (f"{variant}_plain_cumsum",), (True,)
+  with pytest.raises(ValueError, match=r"unknown .*NAME_plain_FORM, FORM one of \('scan', 'chunked'"):
+    main.run(config, "/nonexistent/never/written")
+
+
+def core_kernel_features(e, q, k, p):
+  """A speed-study variant's raw features [B, L, H, F], from its core record."""
+  from favor_jax import core
+
+  kern = core.get_kernel(e.kernel)
+  q, k = (q[..., :e.qk_dim], k[..., :e.qk_dim]) if e.qk_dim else (q, k)
+  return kern(q, k, p if kern.needs_projection else None, stabilize=False)
+
+
 def test_speed_summary_states_a_crossover_only_for_baselines_the_run_timed():
   from experiments.configs import speed as cfg
   from experiments.studies import speed
