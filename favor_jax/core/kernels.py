@@ -123,20 +123,26 @@ def _optimal_positive(query: Float[Array, "... Lq H D"], key: Float[Array, "... 
     if causal:
       raise causal_statistic_error(optimal_positive, query)
     rho = oprf_rho(query, key, key_mask)
-  rho = jax.lax.stop_gradient(check_rho(rho, query))
-  d = x.shape[-1]
-  r = 2.0 * rho + 1.0  # √((2ρ+1)² + 8ρ) as r·√(1 + 8ρ/r²): finite for any finite ρ (A ≈ −ρ/4 for large ρ)
-  a = (1.0 - 2.0 * rho - r * jnp.sqrt(1.0 + 8.0 * rho / jnp.square(r))) / 16.0
-  a = jnp.where(rho >= 0, a, jnp.nan)  # a traced invalid ρ (NaN, < 0) gives NaN outputs, never zeros
-  a_1H1 = a[..., None, :, None]
-  b_1H1 = jnp.sqrt(1.0 - 4.0 * a_1H1)
-  w_sq_M = jnp.sum(jnp.square(projection.astype(jnp.float32)), -1)
-  const = 0.25 * d * jnp.log1p(-4.0 * a_1H1) + a_1H1 * w_sq_M - 0.5 * math.log(_rows(projection))
+  b_H1, const_HM = oprf_affine(jax.lax.stop_gradient(check_rho(rho, query)), projection, x.shape[-1])
+  b_1H1, const = b_H1[..., None, :, :], const_HM[..., None, :, :]  # the positions' axis
 
   def feats(z):
     return LogFeatures(b_1H1 * _project(z, projection) - _half_sq_norm(z) + const, None)
 
   return feats(x), feats(y)
+
+
+def oprf_affine(rho: Float[Array, "... H"], projection: Float[Array, "M D"] | Float[Array, "H M D"],
+                d: int) -> tuple[Float[Array, "... H 1"], Float[Array, "... H M"]]:
+  """FAVOR++'s log features as B·ωᵀx − ‖x‖²/2 + c (:func:`_optimal_positive`): (B [..., H, 1], c [..., H, M])
+  from ρ [..., H], with A* from ρ, B = √(1−4A), c_i = (d/4) log(1−4A) + A‖ωᵢ‖² − log √M. One definition for the
+  XLA features and the fused TPU kernels, which compute the same features on chip."""
+  r = 2.0 * rho + 1.0  # √((2ρ+1)² + 8ρ) as r·√(1 + 8ρ/r²): finite for any finite ρ (A ≈ −ρ/4 for large ρ)
+  a = (1.0 - 2.0 * rho - r * jnp.sqrt(1.0 + 8.0 * rho / jnp.square(r))) / 16.0
+  a_H1 = jnp.where(rho >= 0, a, jnp.nan)[..., None]  # a traced invalid ρ (NaN, < 0) gives NaN outputs, never zeros
+  w_sq_M = jnp.sum(jnp.square(projection.astype(jnp.float32)), -1)
+  const = 0.25 * d * jnp.log1p(-4.0 * a_H1) + a_H1 * w_sq_M - 0.5 * math.log(_rows(projection))
+  return jnp.sqrt(1.0 - 4.0 * a_H1), const
 
 
 def _relu(query: Float[Array, "... Lq H D"], key: Float[Array, "... Lk H D"],
@@ -247,7 +253,7 @@ hyperbolic = Kernel("hyperbolic", _hyperbolic, lambda m, d: 2 * m, estimates_sof
 trigonometric = Kernel("trigonometric", _trigonometric, lambda m, d: 2 * m, estimates_softmax=True,
                        positive_weights=False)
 optimal_positive = Kernel("optimal_positive", _optimal_positive, lambda m, d: m, estimates_softmax=True,
-                          statistic="rho", compute_statistic=oprf_rho)
+                          statistic="rho", compute_statistic=oprf_rho, fused_map="optimal_positive")
 relu = Kernel("relu", _relu, lambda m, d: m, estimates_softmax=False, positive_weights=False)
 elu_plus_one = Kernel("elu_plus_one", _elu_plus_one, lambda m, d: d, estimates_softmax=False,
                       needs_projection=False, takes_projection=False)

@@ -58,12 +58,13 @@ def _reference_grads(name, q, k, v, proj, rho, mask, cot):
 @pytest.mark.slow(default_tier_covers=())
 @pytest.mark.parametrize("name", FUSED)
 def test_every_exponential_kernel_equals_the_explicit_form_in_tpu_interpret_mode(name):
-  """Outputs for every kernel the fused path takes; gradients (the kernels' backward is the same for all of
-  them, the features' own VJP is XLA's) for FAVOR+ and the data-dependent FAVOR#."""
+  """Outputs for every kernel the fused path takes; gradients for FAVOR+ and FAVOR++ (features computed on
+  chip, the projection's gradient from the kernels: FAVOR++'s through its per-row normaliser too) and the
+  data-dependent FAVOR# (features from XLA, their VJP XLA's)."""
   q, k, v, mask = _inputs()
   proj, rho = _params(name, q, k, mask)
   cot = jnp.cos(jnp.arange(B * L * H * DV).reshape(B, L, H, DV))
-  grads = name in ("positive", "saderf")
+  grads = name in ("positive", "optimal_positive", "saderf")
   (num, den, scale), got = _mosaic(name, grads=grads)(q, k, v, proj, rho, mask, cot)
   assert not np.any(np.asarray(den < np.exp(-40.0)) & np.isfinite(scale)), "the fused pass itself is checked at ×1"
   want, _ = explicit(name, q, k, v, proj, rho, mask, causal=True)

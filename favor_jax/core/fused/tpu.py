@@ -4,12 +4,14 @@ for a TPU (and, interpreted, on a CPU: see :mod:`favor_jax.core.causal`).
 The same estimator as :func:`favor_jax.core.causal_xla.chunked` and the Triton kernels
 (:mod:`favor_jax.core.fused.gpu`): features in log domain (φ = exp(log)), every stabiliser from keys a row may
 see, the row scales constants under ``grad``. Where the kernel record says how (``Kernel.fused_map``:
-positive, hyperbolic; :func:`feature_map`), the kernels read q, k, v in their own dtype and the projection
-and compute the log features ω·x − ‖x‖²/2 − log √M in VMEM, forward and backward (nothing of size L×F goes
-through HBM; the backward gives ∂q, ∂k and the projection's gradient per row); for any other exponential map
-(FAVOR++, FAVOR#, Hedgehog, ELU+1, a record of your own) XLA computes the log features (the kernel's own
-``log_features``) and the kernels read them. Three kernels, each over a grid (sequence·head "parallel",
-chunk "arbitrary") with its running state in VMEM scratch, so no per-chunk state goes to HBM:
+positive, hyperbolic, FAVOR++; :func:`feature_map`), the kernels read q, k, v in their own dtype and the
+projection and compute the log features ω·x − ‖x‖²/2 − log √M (FAVOR++: B·ω·x − ‖x‖²/2 + c, its projection
+B·ω and normaliser c one per (sequence, head) from the call's ρ, held constant) in VMEM, forward and backward
+(nothing of size L×F goes through HBM; the backward gives ∂q, ∂k and the projection's gradient per row, and
+FAVOR++'s normaliser's, which depends on ω); for any other exponential map (FAVOR#, Hedgehog, ELU+1, a record
+of your own) XLA computes the log features (the kernel's own ``log_features``) and the kernels read them.
+Three kernels, each over a grid (sequence·head "parallel", chunk "arbitrary") with its running state in VMEM
+scratch, so no per-chunk state goes to HBM:
 
 - ``forward_body`` (chunks in order): the prefix state (μ [1, F], Sᵀ [Dv, F] and the denominator's own
   z [1, F], S_f = Σ_j e^{ℓk_jf + d_j − μ_f} v_j, z_f the same without v_j, d_j the gates' decay from key j to
@@ -46,9 +48,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from favor_jax.core import features as features_lib
+from favor_jax.core import kernels as kernels_lib
 from favor_jax.core.features import exponential_features, head_major
 from favor_jax.core.fused import rows as fused_rows
-from favor_jax.core.fused.tpu_bodies import NEG_INF, Config, dk_body, dq_body, finite_offset, forward_body
+from favor_jax.core.fused.tpu_bodies import NEG_INF, PER_ROW_MAPS, Config, dk_body, dq_body, finite_offset, forward_body
 
 LANE, SUBLANE = 128, 8  # a TPU vector register's lanes (minor axis) and sublanes
 
@@ -83,21 +86,22 @@ def mosaic_precision(precision):
 def _call(kernel, cfg, rows, f, e, ins, outs, reverse=False, d=None, groups=1):
   """``kernel`` over the grid (R rows, chunks); ``ins``/``outs``: per array, its kind ("f" [C, F], "e"
   [C, E], "1" [C, 1], "g" the gate [1, C], "k" one number per chunk [1, 1], "x" [C, D] rows of q or k, "p" the
-  projection [F, D] of the row's head (``groups``: 1 shared, H per head), "n" the normaliser [1, F], "P" an accumulated
-  [F, D] per row) and, for outs, its dtype; scratch: a state (μ [1, F], Sᵀ [E, F], z [1, F]); E = Dv, unpadded (a block
+  projection [F, D] of the row's head (``groups``: 1 shared, H per head, R one per row), "n" the normaliser [1, F],
+  "b" one per row (an input, or an output accumulated over the row's chunks), "P" an accumulated [F, D] per row)
+  and, for outs, its dtype; scratch: a state (μ [1, F], Sᵀ [E, F], z [1, F]); E = Dv, unpadded (a block
   as wide as its array)."""
   c, n_chunks = cfg.chunk, rows // cfg.chunk
   chunk = (lambda i, j: (i, n_chunks - 1 - j, 0)) if reverse else (lambda i, j: (i, j, 0))
   spec = {"f": pl.BlockSpec((None, c, f), chunk), "e": pl.BlockSpec((None, c, e), chunk),
           "1": pl.BlockSpec((None, c, 1), chunk), "x": pl.BlockSpec((None, c, d), chunk),
           "p": pl.BlockSpec((None, f, d), lambda i, j: (i % groups, 0, 0)),
-          "n": pl.BlockSpec((1, f), lambda i, j: (0, 0)),
+          "n": pl.BlockSpec((1, f), lambda i, j: (0, 0)), "b": pl.BlockSpec((None, 1, f), lambda i, j: (i, 0, 0)),
           "P": pl.BlockSpec((None, f, d), lambda i, j: (i, 0, 0)),
           "g": pl.BlockSpec((None, None, 1, c), lambda i, j: chunk(i, j) + (0,)),
           "k": pl.BlockSpec((None, None, 1, 1), lambda i, j: chunk(i, j) + (0,))}
   n = ins[0][1].shape[0]
   shape = {"f": (n, rows, f), "e": (n, rows, e), "1": (n, rows, 1), "x": (n, rows, d), "P": (n, f, d),
-           "k": (n, n_chunks, 1, 1)}
+           "b": (n, 1, f), "k": (n, n_chunks, 1, 1)}
   params = dict(interpret=cfg.interpret) if cfg.interpret else dict(
       compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")))
   return pl.pallas_call(
@@ -130,28 +134,35 @@ _FORWARD_OUTS = [("e", jnp.float32), ("1", jnp.float32), ("1", jnp.float32), ("k
 def feature_map(features) -> str | None:
   """The on-chip feature map for ``features`` (a :class:`~favor_jax.core.features.Features`), chosen once from
   the kernel record: its ``fused_map`` ("positive": φ = exp(ωx − ‖x‖²/2)/√M, "hyperbolic": the same with
-  [ω; −ω], /√(2M)) where the call gives a projection and no statistic; None (a record without one, a
-  kernel of your own, a plain callable, given features): the features from XLA, read by the kernels."""
+  [ω; −ω], /√(2M); "optimal_positive": FAVOR++ from the call's ρ) where the call gives a projection, and a
+  statistic exactly where the map takes one; None (a record without one, a kernel of your own, a plain
+  callable, given features): the features from XLA, read by the kernels."""
   kern = getattr(features, "kernel", None)
   params = getattr(features, "params", ())
   name = getattr(kern, "fused_map", None)
-  if name is None or len(params) != 2 or params[0] is None or params[1] is not None:
+  if name is None or len(params) != 2 or params[0] is None or (params[1] is None) == (name in PER_ROW_MAPS):
     return None
   return name
 
 
-def _projection_rows(projection, name, f_pad):
-  """(p [G, F, D] float32, fb [1, F]): the projection as the kernels read it (hyperbolic: stacked with its
-  negative; padded with zero rows to F), and the log-normaliser (−∞ on padded features). G = 1 for a shared
-  [M, D] projection, H for one per head [H, M, D]."""
+def _projection_rows(projection, name, f_pad, rho_NH=None, d=None):
+  """(p [G, F, D] float32, fb): the projection as the kernels read it (hyperbolic: stacked with its negative;
+  padded with zero rows to F), and the log-normaliser (−∞ on padded features): [1, F] with G = 1 for a shared
+  [M, D] projection, H for one per head [H, M, D]; FAVOR++ (a map of ``PER_ROW_MAPS``), one per row from ρ
+  [N, H] (``kernels.oprf_affine``): p = B·ω [R, F, D] and fb = c [R, 1, F], R = N·H (ρ held constant)."""
   w = projection.astype(jnp.float32)
   w = w[None] if w.ndim == 2 else w
   if name == "hyperbolic":
     w = jnp.concatenate([w, -w], axis=-2)
   f = w.shape[-2]
-  log_norm = 0.5 * math.log(f)  # √M positive, √(2M) hyperbolic
-  fb = jnp.where(jnp.arange(f_pad) < f, -log_norm, NEG_INF)[None].astype(jnp.float32)
-  return jnp.pad(w, ((0, 0), (0, f_pad - f), (0, 0))), fb
+  live = jnp.arange(f_pad) < f
+  if name in PER_ROW_MAPS:
+    b_NH1, c_NHM = kernels_lib.oprf_affine(jax.lax.stop_gradient(rho_NH), projection, d)
+    w = (b_NH1[..., None] * w).reshape((-1, f, w.shape[-1]))  # [N, H, M, D] -> rows
+    fb = jnp.where(live, jnp.pad(c_NHM.reshape((-1, 1, f)), ((0, 0), (0, 0), (0, f_pad - f))), NEG_INF)
+  else:
+    fb = jnp.where(live, -0.5 * math.log(f), NEG_INF)[None]  # √M positive, √(2M) hyperbolic
+  return jnp.pad(w, ((0, 0), (0, f_pad - f), (0, 0))), fb.astype(jnp.float32)
 
 
 def program(cfg: Config) -> fused_rows.Program:
@@ -161,13 +172,13 @@ def program(cfg: Config) -> fused_rows.Program:
   backward gives ∂q, ∂k and the projection's gradient per row); otherwise they read the features XLA computed
   (recomputed from q, k and the projection for the backward). Kept between forward and backward: the inputs
   and the row scales."""
-  def on_chip(rows, q, k, mask, projection, features):
+  def on_chip(rows, q, k, mask, params, features):
     f_pad = -(-jax.eval_shape(lambda: head_major(features, q, k)[0].log).shape[-1] // LANE) * LANE
-    p, fb = _projection_rows(projection, cfg.feature_map, f_pad)
+    p, fb = _projection_rows(params[0], cfg.feature_map, f_pad, params[1], q.shape[-1])
     n, length, h = q.shape[:3]
     key_bias = jnp.where(jnp.broadcast_to(mask[:, :, None], (n, length, h)), 0.0, NEG_INF)
     x_ins = [("x", rows.of(q, 0.0)), ("x", rows.of(k, 0.0))]
-    extra = [("p", p), ("n", fb), ("1", rows.of(key_bias, NEG_INF)[..., None])]
+    extra = [("p", p), ("b" if fb.ndim == 3 else "n", fb), ("1", rows.of(key_bias, NEG_INF)[..., None])]
     return x_ins, extra, f_pad, p.shape[0]
 
   def ins_of(first, v_rows, extra, g):
@@ -178,7 +189,7 @@ def program(cfg: Config) -> fused_rows.Program:
     rows = fused_rows.prepare(features, q, k, v, mask, gate, chunk=cfg.chunk, lane=LANE)
     vv = rows.value_rows(v)
     if cfg.feature_map:
-      x_ins, extra, f, groups = on_chip(rows, q, k, mask, features.params[0], features)
+      x_ins, extra, f, groups = on_chip(rows, q, k, mask, features.params, features)
       num, den, m, count = _call(forward_body, cfg, vv.shape[1], f, vv.shape[-1],
                                  ins_of(x_ins, vv, extra, rows.gate), _FORWARD_OUTS, d=q.shape[-1], groups=groups)
     else:
@@ -218,22 +229,25 @@ def program(cfg: Config) -> fused_rows.Program:
     return dv, dg
 
   def on_chip_backward(features, params, rows, q, k, v, gate, mask, vv, ms, dy):
-    projection = params[0]
-    x_ins, extra, f, groups = on_chip(rows, q, k, mask, projection, features)
+    x_ins, extra, f, groups = on_chip(rows, q, k, mask, params, features)
     length, e, d = vv.shape[1], vv.shape[-1], q.shape[-1]
     ins = ins_of(x_ins, vv, extra, rows.gate) + [("1", ms)] + dy
-    grads = [("x", jnp.float32), ("P", jnp.float32)] + ([("1", jnp.float32)] if cfg.gated else [])
-    dq_rows, dpq, *sq = _call(dq_body, cfg, length, f, e, ins, grads, d=d, groups=groups)
-    dk_rows, dpk, *sk, dvv = _call(dk_body, cfg, length, f, e, ins, grads + [("e", jnp.float32)], reverse=True,
-                                   d=d, groups=groups)
+    per_row = cfg.feature_map in PER_ROW_MAPS  # the normaliser's gradient too (it depends on the projection)
+    grads = ([("x", jnp.float32), ("P", jnp.float32)] + ([("b", jnp.float32)] if per_row else [])
+             + ([("1", jnp.float32)] if cfg.gated else []))
+    dq_rows, dpq, *q_rest = _call(dq_body, cfg, length, f, e, ins, grads, d=d, groups=groups)
+    dk_rows, dpk, *k_rest, dvv = _call(dk_body, cfg, length, f, e, ins, grads + [("e", jnp.float32)],
+                                       reverse=True, d=d, groups=groups)
     of_x = lambda x: rows.of(x, 0.0)
     dq = fused_rows.transpose(of_x, q, dq_rows.astype(q.dtype))
     dk = fused_rows.transpose(of_x, k, dk_rows.astype(k.dtype))
     dp = (dpq + dpk).reshape((-1, groups) + dpq.shape[1:]).sum(0)  # [G, F, D]: rows are (sequence, head)
-    _, p_vjp = jax.vjp(lambda w: _projection_rows(w, cfg.feature_map, f)[0], projection)
-    (dproj,) = p_vjp(dp)
-    dg = None if gate is None else sq[0][..., 0] - sk[0][..., 0]
-    return (dq, dk, *finish(rows, v, gate, dvv, dg), (dproj, None))
+    dfb = (q_rest.pop(0) + k_rest.pop(0)) if per_row else None
+    p_fb, p_vjp = jax.vjp(lambda w: _projection_rows(w, cfg.feature_map, f, params[1], d), params[0])
+    (dproj,) = p_vjp((dp, jnp.zeros_like(p_fb[1]) if dfb is None else dfb))
+    dg = None if gate is None else q_rest[0][..., 0] - k_rest[0][..., 0]
+    drho = None if params[1] is None else jnp.zeros_like(params[1])  # held constant (kernels.oprf_affine)
+    return (dq, dk, *finish(rows, v, gate, dvv, dg), (dproj, drho))
 
   return fused_rows.Program(forward, backward)
 

@@ -15,6 +15,7 @@ from favor_jax.core.fused import rows as fused_rows
 from favor_jax.core.state import SAFE_GAP
 
 NEG_INF = -jnp.inf
+PER_ROW_MAPS = ("optimal_positive",)  # on-chip maps whose projection and normaliser are per row (from a statistic)
 
 
 class Config(NamedTuple):
@@ -150,21 +151,27 @@ def chunk_terms(lq_ref, lk_ref, v_ref, refs, cfg):
   return (lq, lk, v_ref[...]) + _decays(g_ref, lk.shape[0]) + (jnp.max(lk, axis=0, keepdims=True),), ctx, refs
 
 
-def _features_grad(dl, xs, p, dx_ref, dp_ref, sum_ref, cfg):
-  """From ∂ℓ [C, F] of the log features of rows xs = s·x (s = d^{-1/4}, :func:`_log_features`):
-  ∂x [C, D] = s (∂ℓ p − (Σ_f ∂ℓ_f) xs) into ``dx_ref``, the projection's ∂p [F, D] += ∂ℓᵀ xs accumulated
-  over the row's chunks in ``dp_ref`` (resident: its block does not move along the chunk axis), and
-  Σ_f ∂ℓ_f [C, 1] into ``sum_ref`` (gated: the gates' gradient)."""
+def _features_grad(dl, xs, p, outs, cfg):
+  """From ∂ℓ [C, F] of the log features of rows xs = s·x (s = d^{-1/4}, :func:`_log_features`), into ``outs``
+  in order: ∂x [C, D] = s (∂ℓ p − (Σ_f ∂ℓ_f) xs); the projection's ∂p [F, D] += ∂ℓᵀ xs accumulated over the
+  row's chunks (resident: its block does not move along the chunk axis); a per-row normaliser's ∂fb [1, F]
+  += Σ_t ∂ℓ_t the same way (maps of ``PER_ROW_MAPS``); Σ_f ∂ℓ_f [C, 1] (gated: the gates' gradient)."""
+  dx_ref, dp_ref, *rest = outs
+  db_ref = rest.pop(0) if cfg.feature_map in PER_ROW_MAPS else None
   total = jnp.sum(dl, axis=1, keepdims=True)
   dx_ref[...] = (cfg.x_scale * (_dot(dl, p, "nn", cfg, state=True) - total * xs)).astype(dx_ref.dtype)
 
   @pl.when(pl.program_id(1) == 0)
   def _():
     dp_ref[...] = jnp.zeros(dp_ref.shape, jnp.float32)
+    if db_ref is not None:
+      db_ref[...] = jnp.zeros(db_ref.shape, jnp.float32)
 
   dp_ref[...] += _dot(dl, xs, "tn", cfg, state=True)
-  if sum_ref is not None:
-    sum_ref[...] = total
+  if db_ref is not None:
+    db_ref[...] += jnp.sum(dl, axis=0, keepdims=True)
+  if cfg.gated:
+    rest[0][...] = total
 
 
 def _row(x, t):
@@ -287,7 +294,7 @@ def dq_body(lq_ref, lk_ref, v_ref, *refs, cfg):
   if ctx is None:
     outs[0][...] = dlq
   else:
-    _features_grad(dlq, ctx[0], ctx[2], outs[0], outs[1], outs[2] if cfg.gated else None, cfg)
+    _features_grad(dlq, ctx[0], ctx[2], outs, cfg)
   _absorb(mu_ref, st_ref, z_ref, lk + b, v, None, total, cfg)
 
 
@@ -317,5 +324,5 @@ def dk_body(lq_ref, lk_ref, v_ref, *refs, cfg):
   if ctx is None:
     outs[0][...] = dlk
   else:
-    _features_grad(dlk, ctx[1], ctx[2], outs[0], outs[1], outs[2] if cfg.gated else None, cfg)
+    _features_grad(dlk, ctx[1], ctx[2], outs[:-1], cfg)
   _absorb(nu_ref, rt_ref, r_ref, lq - ms + a, dnum, dden, total, cfg)
