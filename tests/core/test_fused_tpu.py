@@ -311,20 +311,27 @@ def _geo_decay(log_gate):
 
 @functools.cache
 def _geo_call(kernel):
-  def run(q, k, v, proj, mask, g, ids):
+  def run(q, k, v, proj, mask, g, ids, rho):
     return core.favor_attention(q, k, v, proj, kernel=kernel, causal=True, causal_method="pallas", chunk_size=128,
-                                key_mask=mask, log_gate=g, segment_ids=ids)
+                                key_mask=mask, log_gate=g, segment_ids=ids, rho=rho)
   return jax.jit(run)
 
 
+GEO_CASES = [("positive", jnp.float32), ("positive", jnp.bfloat16), ("hyperbolic", jnp.float32),
+             ("hyperbolic", jnp.bfloat16), ("optimal_positive", jnp.float32)]  # every map computed on chip
+
+
 @pytest.mark.slow  # interpreted chunks of 128 rows, three scales, two dtypes: tens of seconds
-@pytest.mark.parametrize("kernel", ["positive", "hyperbolic"])
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("kernel,dtype", GEO_CASES,
+                         ids=[f"{'f32' if d == jnp.float32 else 'bf16'}-{k}" for k, d in GEO_CASES])
 def test_the_compiled_chunk_geometry_equals_the_explicit_form(kernel, dtype):
   """Chunks of 128 rows (what the TPU runs; features on chip), gates with exact zeros, segment ids with a
   boundary on the chunk edge and inside a chunk, a masked key, ×1/×7/×20, float32 and bfloat16 (the float64
   form of the same rounded inputs): outputs within 1e-5 (float32) / 2e-2 (bfloat16, its operands' rounding)
-  of the largest, scaled by the logits' spread s²; gradients in q, k, v, the projection and the gate at ×1."""
+  of the largest, scaled by the logits' spread s²; gradients in q, k, v, the projection and the gate at ×1.
+  FAVOR++ with a given ρ per sequence and head (float32: its on-chip features are those of FAVOR+ with a
+  projection and normaliser per row, whose bfloat16 products FAVOR+'s cases check)."""
+  rho = jnp.asarray([[0.05, 0.4]]) if kernel == "optimal_positive" else None  # [GEO_B, GEO_H]
   ks = jax.random.split(jax.random.PRNGKey(21), 4)
   shape = (GEO_B, GEO_L, GEO_H, GEO_D)
   q0, k0, v0 = (jax.random.normal(x, shape) for x in ks[:3])
@@ -344,14 +351,14 @@ def test_the_compiled_chunk_geometry_equals_the_explicit_form(kernel, dtype):
   tol = 1e-5 if dtype == jnp.float32 else 2e-2
   for scale in (1.0, 7.0, 20.0):
     q, k, v = (x.astype(dtype) for x in (scale * q0, scale * k0, v0))
-    got = np.asarray(_geo_call(kernel)(q, k, v, proj, mask, g, ids), np.float64)
-    want, _ = test_gates.explicit(kernel, *(x.astype(jnp.float32) for x in (q, k, v)), proj, None, mask, bias)
+    got = np.asarray(_geo_call(kernel)(q, k, v, proj, mask, g, ids, rho), np.float64)
+    want, _ = test_gates.explicit(kernel, *(x.astype(jnp.float32) for x in (q, k, v)), proj, rho, mask, bias)
     np.testing.assert_allclose(got, want, atol=tol * scale ** 2 * np.max(np.abs(want)), err_msg=f"×{scale}")
     assert not np.any(np.all(got == 0, -1) & ~np.all(want == 0, -1)), f"a silent zero row at ×{scale}"
   if dtype != jnp.float32:
     return
   cot = jax.random.normal(jax.random.PRNGKey(8), shape)
-  loss = lambda q, k, v, p, g: jnp.sum(_geo_call(kernel)(q, k, v, p, mask, g, ids) * cot)
+  loss = lambda q, k, v, p, g: jnp.sum(_geo_call(kernel)(q, k, v, p, mask, g, ids, rho) * cot)
   got = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))(q0, k0, v0, proj, g)
 
   def reference(q, k, v, p, g):
@@ -361,7 +368,7 @@ def test_the_compiled_chunk_geometry_equals_the_explicit_form(kernel, dtype):
     t, j = np.meshgrid(np.arange(GEO_L), np.arange(GEO_L), indexing="ij")
     ok = (j <= t)[None, :, :, None] & (count[:, :, None, :] == count[:, None, :, :])
     d = jnp.where(ok, run[:, :, None, :] - run[:, None, :, :], -jnp.inf)
-    return jnp.sum(test_gates.explicit(kernel, q, k, v, p, None, mask, d, xp=jnp)[0] * cot)
+    return jnp.sum(test_gates.explicit(kernel, q, k, v, p, rho, mask, d, xp=jnp)[0] * cot)
 
   want = jax.grad(reference, argnums=(0, 1, 2, 3, 4))(q0, k0, v0, proj, g)
   for what, a, b in zip(("q", "k", "v", "projection", "gate"), got, want):
