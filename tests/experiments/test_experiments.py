@@ -130,6 +130,7 @@ def test_plain_passes_equal_the_explicit_causal_form_of_the_raw_features(variant
   """The unstabilised baselines (trax's per-token scan; chunks of 8, rematerialised or not) against the masked
   quadratic form of the same raw features in float64; their names parse, a bidirectional request is refused,
   and a misspelled form is an unknown method."""
+  import jax
   import numpy as np
 
   from experiments import main
@@ -151,7 +152,8 @@ def test_plain_passes_equal_the_explicit_causal_form_of_the_raw_features(variant
 
     tiny = 1e-19  # the raw products underflow: 0/0 in the rows whose features all do
     assert not np.isfinite(plain_passes.attention("relu", "chunked", tiny * q, tiny * k, v, p, chunk=8)).all()
-    ours = core.favor_attention(tiny * q, tiny * k, v, p, kernel="relu", causal=True, chunk_size=8)
+    ours = jax.jit(lambda q, k: core.favor_attention(q, k, v, p, kernel="relu", causal=True, chunk_size=8))(
+        tiny * q, tiny * k)
     np.testing.assert_allclose(ours, want, rtol=2e-5, atol=2e-5)
   config = cfg.get_config("quick")
   config.methods, config.causal = (f"{variant}_plain_scan",), (False,)
