@@ -159,10 +159,7 @@ def test_gates_and_segments_equal_the_explicit_gated_form(dtype):
   form of the same (rounded) inputs; at ×20 rows are handed to the XLA pass where they lost their terms."""
   tol = 1e-5 if dtype == jnp.float32 else 2e-2
   q0, k0, v = test_gates._qkv()
-  g = test_gates._log_gate()
-  mask = test_gates._mask()
-  proj = test_gates._proj()
-  seg = _segments(q0.shape[1])
+  g, mask, proj, seg = test_gates._log_gate(), test_gates._mask(), test_gates._proj(), _segments(q0.shape[1])
   for scale in test_gates.SCALES:
     q, k, v = (x.astype(dtype) for x in (scale * q0, scale * k0, v))
     got = np.asarray(_pallas(True)(q, k, v, proj, mask, g, seg), np.float64)
@@ -317,20 +314,16 @@ def _geo_call(kernel):
   return jax.jit(run)
 
 
-GEO_CASES = [("positive", jnp.float32), ("positive", jnp.bfloat16), ("hyperbolic", jnp.float32),
-             ("hyperbolic", jnp.bfloat16), ("optimal_positive", jnp.float32)]  # every map computed on chip
-
-
 @pytest.mark.slow  # interpreted chunks of 128 rows, three scales, two dtypes: tens of seconds
-@pytest.mark.parametrize("kernel,dtype", GEO_CASES,
-                         ids=[f"{'f32' if d == jnp.float32 else 'bf16'}-{k}" for k, d in GEO_CASES])
+@pytest.mark.parametrize("dtype,kernel", [("f32", "positive"), ("bf16", "positive"), ("f32", "hyperbolic"),
+                                          ("bf16", "hyperbolic"), ("f32", "optimal_positive")])  # maps on chip
 def test_the_compiled_chunk_geometry_equals_the_explicit_form(kernel, dtype):
   """Chunks of 128 rows (what the TPU runs; features on chip), gates with exact zeros, segment ids with a
   boundary on the chunk edge and inside a chunk, a masked key, ×1/×7/×20, float32 and bfloat16 (the float64
   form of the same rounded inputs): outputs within 1e-5 (float32) / 2e-2 (bfloat16, its operands' rounding)
   of the largest, scaled by the logits' spread s²; gradients in q, k, v, the projection and the gate at ×1.
-  FAVOR++ with a given ρ per sequence and head (float32: its on-chip features are those of FAVOR+ with a
-  projection and normaliser per row, whose bfloat16 products FAVOR+'s cases check)."""
+  FAVOR++ with a given ρ per sequence and head (its bfloat16 products are FAVOR+'s, checked there)."""
+  dtype = jnp.float32 if dtype == "f32" else jnp.bfloat16
   rho = jnp.asarray([[0.05, 0.4]]) if kernel == "optimal_positive" else None  # [GEO_B, GEO_H]
   ks = jax.random.split(jax.random.PRNGKey(21), 4)
   shape = (GEO_B, GEO_L, GEO_H, GEO_D)
