@@ -250,6 +250,11 @@ def run(config, progress=print, workdir=None):
     raise ValueError(f"config.methods has unknown {unknown}; choose from {list(EXACT) + list(ESTIMATORS)}, a "
                      f"kernel of core.KERNELS {sorted(core.KERNELS)}, or either as NAME_plain_FORM, FORM one of "
                      f"{plain_passes.FORMS} (its raw features, no stabiliser: experiments/studies/plain_passes.py)")
+  plain = {m: estimator(plain_passes.split(m)[0]) for m in config.methods if plain_passes.split(m)}
+  windowed = [m for m, e in plain.items() if e.window or e.gated]
+  if windowed:  # the plain passes have no exact window and no gate: they would time something else
+    raise ValueError(f"config.methods {windowed}: the plain passes run a variant's features only; a window or a "
+                     f"gate has none there (use the kernel's name, e.g. positive_plain_scan)")
   causal = [m for m in config.methods if causal_only(m)]
   if causal and True not in config.causal:
     raise ValueError(f"config.methods {causal} time causal attention only, but config.causal="

@@ -162,6 +162,9 @@ def test_plain_passes_equal_the_explicit_causal_form_of_the_raw_features(variant
   config.methods, config.causal = (f"{variant}_plain_cumsum",), (True,)
   with pytest.raises(ValueError, match=r"unknown .*NAME_plain_FORM, FORM one of \('scan', 'chunked'"):
     main.run(config, "/nonexistent/never/written")
+  config.methods = ("hybrid_w64_plain_scan", "favor_gated_plain_chunked")  # nothing of a window or gate is there
+  with pytest.raises(ValueError, match=r"\['hybrid_w64_plain_scan', 'favor_gated_plain_chunked'\]: the plain"):
+    main.run(config, "/nonexistent/never/written")
 
 
 def core_kernel_features(e, q, k, p):
