@@ -134,9 +134,21 @@ def _optimal_positive(query: Float[Array, "... Lq H D"], key: Float[Array, "... 
 
 def oprf_affine(rho: Float[Array, "... H"], projection: Float[Array, "M D"] | Float[Array, "H M D"],
                 d: int) -> tuple[Float[Array, "... H 1"], Float[Array, "... H M"]]:
-  """FAVOR++'s log features as B·ωᵀx − ‖x‖²/2 + c (:func:`_optimal_positive`): (B [..., H, 1], c [..., H, M])
-  from ρ [..., H], with A* from ρ, B = √(1−4A), c_i = (d/4) log(1−4A) + A‖ωᵢ‖² − log √M. One definition for the
-  XLA features and the fused TPU kernels, which compute the same features on chip."""
+  """FAVOR++'s log features as B·ωᵀx − ‖x‖²/2 + c (:func:`_optimal_positive`), with A* from ρ, B = √(1−4A) and
+  c_i = (d/4) log(1−4A) + A‖ωᵢ‖² − log √M. One definition for the XLA features and the fused TPU kernels, which
+  compute the same features on chip.
+
+  Args:
+    rho: the statistic ρ ≥ 0, [..., H] (a negative or NaN ρ gives NaN coefficients, never zeros).
+    projection: ω, [M, D] shared or [H, M, D] one per head.
+    d: the head dim D (x = q·d^{-1/4}).
+
+  Returns:
+    (B [..., H, 1], c [..., H, M]), float32.
+
+  References:
+    Likhosherstov et al., "Chefs' Random Tables: Non-Trigonometric Random Features", NeurIPS 2022.
+  """
   r = 2.0 * rho + 1.0  # √((2ρ+1)² + 8ρ) as r·√(1 + 8ρ/r²): finite for any finite ρ (A ≈ −ρ/4 for large ρ)
   a = (1.0 - 2.0 * rho - r * jnp.sqrt(1.0 + 8.0 * rho / jnp.square(r))) / 16.0
   a_H1 = jnp.where(rho >= 0, a, jnp.nan)[..., None]  # a traced invalid ρ (NaN, < 0) gives NaN outputs, never zeros

@@ -172,14 +172,17 @@ def program(cfg: Config) -> fused_rows.Program:
   backward gives ∂q, ∂k and the projection's gradient per row); otherwise they read the features XLA computed
   (recomputed from q, k and the projection for the backward). Kept between forward and backward: the inputs
   and the row scales."""
-  def on_chip(rows, q, k, mask, params, features):
+  def projection_rows(features, params, q, k):
+    """w -> (p, fb) of :func:`_projection_rows` for this call (its map, padded width and statistic), and F."""
     f_pad = -(-jax.eval_shape(lambda: head_major(features, q, k)[0].log).shape[-1] // LANE) * LANE
-    p, fb = _projection_rows(params[0], cfg.feature_map, f_pad, params[1], q.shape[-1])
+    return lambda w: _projection_rows(w, cfg.feature_map, f_pad, params[1], q.shape[-1]), f_pad
+
+  def on_chip(rows, q, k, mask, p, fb):
     n, length, h = q.shape[:3]
     key_bias = jnp.where(jnp.broadcast_to(mask[:, :, None], (n, length, h)), 0.0, NEG_INF)
     x_ins = [("x", rows.of(q, 0.0)), ("x", rows.of(k, 0.0))]
-    extra = [("p", p), ("b" if fb.ndim == 3 else "n", fb), ("1", rows.of(key_bias, NEG_INF)[..., None])]
-    return x_ins, extra, f_pad, p.shape[0]
+    normaliser = "b" if cfg.feature_map in PER_ROW_MAPS else "n"
+    return x_ins, [("p", p), (normaliser, fb), ("1", rows.of(key_bias, NEG_INF)[..., None])]
 
   def ins_of(first, v_rows, extra, g):
     gate = [("g", _gate_rows(g, cfg.chunk))] if cfg.gated else []
@@ -189,9 +192,11 @@ def program(cfg: Config) -> fused_rows.Program:
     rows = fused_rows.prepare(features, q, k, v, mask, gate, chunk=cfg.chunk, lane=LANE)
     vv = rows.value_rows(v)
     if cfg.feature_map:
-      x_ins, extra, f, groups = on_chip(rows, q, k, mask, features.params, features)
+      of_projection, f = projection_rows(features, features.params, q, k)
+      p, fb = of_projection(features.params[0])
+      x_ins, extra = on_chip(rows, q, k, mask, p, fb)
       num, den, m, count = _call(forward_body, cfg, vv.shape[1], f, vv.shape[-1],
-                                 ins_of(x_ins, vv, extra, rows.gate), _FORWARD_OUTS, d=q.shape[-1], groups=groups)
+                                 ins_of(x_ins, vv, extra, rows.gate), _FORWARD_OUTS, d=q.shape[-1], groups=p.shape[0])
     else:
       num, den, m, count = _forward(*rows.log_rows(q, k), vv, rows.gate, cfg)
     recomputed = jnp.sum(count, axis=(1, 2, 3)).astype(jnp.int32).reshape(q.shape[0], q.shape[2])
@@ -229,8 +234,10 @@ def program(cfg: Config) -> fused_rows.Program:
     return dv, dg
 
   def on_chip_backward(features, params, rows, q, k, v, gate, mask, vv, ms, dy):
-    x_ins, extra, f, groups = on_chip(rows, q, k, mask, params, features)
-    length, e, d = vv.shape[1], vv.shape[-1], q.shape[-1]
+    of_projection, f = projection_rows(features, params, q, k)
+    (p, fb), p_vjp = jax.vjp(of_projection, params[0])  # the kernels' projection rows, and their map back to ω
+    x_ins, extra = on_chip(rows, q, k, mask, p, fb)
+    length, e, d, groups = vv.shape[1], vv.shape[-1], q.shape[-1], p.shape[0]
     ins = ins_of(x_ins, vv, extra, rows.gate) + [("1", ms)] + dy
     per_row = cfg.feature_map in PER_ROW_MAPS  # the normaliser's gradient too (it depends on the projection)
     grads = ([("x", jnp.float32), ("P", jnp.float32)] + ([("b", jnp.float32)] if per_row else [])
@@ -243,8 +250,7 @@ def program(cfg: Config) -> fused_rows.Program:
     dk = fused_rows.transpose(of_x, k, dk_rows.astype(k.dtype))
     dp = (dpq + dpk).reshape((-1, groups) + dpq.shape[1:]).sum(0)  # [G, F, D]: rows are (sequence, head)
     dfb = (q_rest.pop(0) + k_rest.pop(0)) if per_row else None
-    p_fb, p_vjp = jax.vjp(lambda w: _projection_rows(w, cfg.feature_map, f, params[1], d), params[0])
-    (dproj,) = p_vjp((dp, jnp.zeros_like(p_fb[1]) if dfb is None else dfb))
+    (dproj,) = p_vjp((dp, jnp.zeros_like(fb) if dfb is None else dfb))
     dg = None if gate is None else q_rest[0][..., 0] - k_rest[0][..., 0]
     drho = None if params[1] is None else jnp.zeros_like(params[1])  # held constant (kernels.oprf_affine)
     return (dq, dk, *finish(rows, v, gate, dvv, dg), (dproj, drho))
