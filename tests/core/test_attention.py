@@ -227,7 +227,7 @@ def test_key_mask_equals_truncated_sequence(name, maybe_jit):
   k = k.at[:, keep:].multiply(50.0)
   masked = maybe_jit(lambda *a: core.favor_attention(*a[:4], kernel=name, key_mask=a[4]))(
       q, k, v, proj, mask)
-  truncated = core.favor_attention(q, k[:, :keep], v[:, :keep], proj, kernel=name)
+  truncated = jax.jit(lambda q, k, v: core.favor_attention(q, k, v, proj, kernel=name))(q, k[:, :keep], v[:, :keep])
   np.testing.assert_allclose(masked, truncated, rtol=1e-5, atol=1e-6)
 
 
@@ -558,7 +558,8 @@ def test_decode_steps_equal_causal_forward(name, maybe_jit):
   proj = _proj()
   extra = _extra(name, True)
   mask = jnp.ones((B, 19), bool).at[:, 4].set(False)
-  full = core.favor_attention(q, k, v, proj, kernel=name, causal=True, key_mask=mask, chunk_size=8, **extra)
+  full = jax.jit(lambda q, k, v: core.favor_attention(q, k, v, proj, kernel=name, causal=True, key_mask=mask,
+                                                      chunk_size=8, **extra))(q, k, v)  # one program, not ~300
   step = maybe_jit(lambda s, a, b, c, m: core.favor_decode_step(s, a, b, c, proj, kernel=name, key_mask=m, **extra))
   state = core.favor_decode_init(q[:, :1], v[:, :1], proj, kernel=name)
   outs = []
@@ -580,7 +581,8 @@ def test_jitted_decode_with_a_window_equals_the_causal_hybrid(name):
   proj = _proj(name=name)
   extra = _extra(name, True)
   mask = jnp.ones((B, 11), bool).at[:, 4].set(False)
-  full = core.hybrid_attention(q, k, v, proj, kernel=name, causal=True, window=3, key_mask=mask, **extra)
+  full = jax.jit(lambda q, k, v: core.hybrid_attention(q, k, v, proj, kernel=name, causal=True, window=3,
+                                                       key_mask=mask, **extra))(q, k, v)
   step = jax.jit(lambda s, a, b, c, m: core.favor_decode_step(s, a, b, c, proj, kernel=name, key_mask=m, window=3,
                                                               **extra))
   state = core.favor_decode_init(q[:, :1], v[:, :1], proj, kernel=name, window=3)

@@ -411,12 +411,13 @@ def test_a_feature_no_key_has_never_sets_a_rows_scale():
     w = np.exp(la_c - la_c.max(2, keepdims=True))
     want = np.einsum("btjh,bjhd->bthd", w, np.asarray(v, np.float64)) / w.sum(2)[..., None]
     for method in (METHODS if causal else ("auto",)):
-      got = np.asarray(core.favor_attention(q, k, v, proj, kernel=pruned, causal=causal, causal_method=method,
-                                            chunk_size=4), np.float64)
+      got = np.asarray(jax.jit(lambda q, k, v: core.favor_attention(
+          q, k, v, proj, kernel=pruned, causal=causal, causal_method=method, chunk_size=4))(q, k, v), np.float64)
       np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-4, err_msg=f"{causal} {method}")
   state = core.favor_decode_init(q[:, :1], v[:, :1], proj, kernel=pruned)
+  step = jax.jit(lambda state, q, k, v: core.favor_decode_step(state, q, k, v, proj, kernel=pruned))
   for t in range(12):
-    state, y = core.favor_decode_step(state, q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], proj, kernel=pruned)
+    state, y = step(state, q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1])
   want_last = np.einsum("bjh,bjhd->bhd", np.exp(la[:, -1] - la[:, -1].max(1, keepdims=True)), np.asarray(v, np.float64))
   want_last /= np.exp(la[:, -1] - la[:, -1].max(1, keepdims=True)).sum(1)[..., None]
   np.testing.assert_allclose(np.asarray(y[:, 0], np.float64), want_last, rtol=1e-3, atol=1e-4)
@@ -441,8 +442,9 @@ def test_decoding_equals_the_explicit_form_at_every_scale(window, dtype):
       rho = _rho(name, q, k, mask)
       extra = {} if rho is None else {"rho": rho}
       if window:
-        want = np.asarray(core.hybrid_attention(q, k, vv, proj, kernel=name, window=window, causal=True,
-                                                key_mask=mask, **extra), np.float64)
+        want = np.asarray(jax.jit(lambda q, k, v, extra: core.hybrid_attention(
+            q, k, v, proj, kernel=name, window=window, causal=True, key_mask=mask, **extra))(q, k, vv, extra),
+            np.float64)
       else:
         want = explicit(name, q, k, vv, proj, rho, mask, causal=True)[0]
       state = core.favor_decode_init(q[:, :1], vv[:, :1], proj, kernel=name, window=window)

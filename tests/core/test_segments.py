@@ -125,7 +125,8 @@ def test_decode_across_boundaries_with_gates_equals_the_packed_pass(window, prom
   ids = jnp.broadcast_to(IDS, (B, L))
   g = _log_gate()
   proj = _proj()
-  want = core.hybrid_attention(q, k, v, proj, window=window, causal=True, log_gate=g, segment_ids=ids, chunk_size=8)
+  want = jax.jit(lambda q, k, v: core.hybrid_attention(q, k, v, proj, window=window, causal=True, log_gate=g,
+                                                       segment_ids=ids, chunk_size=8))(q, k, v)
   step = jax.jit(functools.partial(core.favor_decode_step, window=window, chunk_size=8))
   state = core.favor_decode_init(q[:, :1], v[:, :1], proj, window=window)
   outs = []

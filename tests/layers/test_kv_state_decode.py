@@ -119,7 +119,8 @@ PROJECTION = jax.random.normal(jax.random.PRNGKey(5), (M, 8))
                                                 pytest.param("elu_plus_one", None, marks=pytest.mark.slow)])
 def test_core_grouped_decode_with_gates_per_kv_head_equals_the_full_pass_on_repeated_heads(kernel, projection):
   rep = lambda x: jnp.repeat(x, H // 2, axis=-1 if x.ndim == 3 else -2)
-  full = core.favor_attention(Q, rep(K), rep(V), projection, kernel=kernel, causal=True, log_gate=rep(GATE))
+  full = jax.jit(lambda q, k, v, g: core.favor_attention(q, k, v, projection, kernel=kernel, causal=True,
+                                                        log_gate=g))(Q, rep(K), rep(V), rep(GATE))
   state = core.favor_decode_init(Q[:, :1], V[:, :1], projection, kernel=kernel)
   assert state.s.shape[-3] == 2 and state.mu.shape[-2] == 2
   step = jax.jit(lambda state, lo, hi: core.favor_decode_step(

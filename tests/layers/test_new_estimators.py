@@ -107,7 +107,7 @@ def test_every_core_kernel_runs_in_the_layers_as_core_does_with_the_layers_own_p
   else:
     assert projection.shape == (M, D)
   q, k, v = _qkv(params, x)
-  want = _out(params, core.favor_attention(q, k, v, projection, kernel=kernel))
+  want = _out(params, jax.jit(lambda q, k, v, p: core.favor_attention(q, k, v, p, kernel=kernel))(q, k, v, projection))
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
