@@ -77,10 +77,11 @@ def test_segments_equal_the_explicit_block_diagonal_form(causal, masked):
   g = _log_gate() if causal else None
   bias = decay(g if causal else None, np.asarray(ids), causal)
   proj = _proj()
-  for name, got in (
-      ("softmax", core.softmax_attention(q, k, v, causal=causal, key_mask=mask, segment_ids=ids, log_gate=g)),
-      ("positive", core.favor_attention(q, k, v, proj, causal=causal, key_mask=mask, segment_ids=ids, log_gate=g,
-                                        chunk_size=8))):
+  for name, got in (  # each one jitted program (op by op, each call compiles some 300)
+      ("softmax", jax.jit(lambda q, k, v: core.softmax_attention(q, k, v, causal=causal, key_mask=mask,
+                                                                 segment_ids=ids, log_gate=g))(q, k, v)),
+      ("positive", jax.jit(lambda q, k, v: core.favor_attention(q, k, v, proj, causal=causal, key_mask=mask,
+                                                                segment_ids=ids, log_gate=g, chunk_size=8))(q, k, v))):
     want, _ = explicit(name, q, k, v, proj, None, mask, bias)
     np.testing.assert_allclose(got, want, atol=2e-4 * np.max(np.abs(want)), rtol=0, err_msg=name)
 
@@ -95,8 +96,8 @@ def test_gated_hybrid_equals_the_explicit_form(causal):
   mask = _mask()
   window = 5
   bias = decay(g, np.asarray(ids), causal)
-  got = core.hybrid_attention(q, k, v, _proj(), window=window, causal=causal, key_mask=mask, log_gate=g,
-                              segment_ids=ids, chunk_size=8)
+  got = jax.jit(lambda q, k, v: core.hybrid_attention(q, k, v, _proj(), window=window, causal=causal, key_mask=mask,
+                                                      log_gate=g, segment_ids=ids, chunk_size=8))(q, k, v)
   # explicit: A_tj = e^{bias}·(exp(q·k/√d) if near else φ(q)ᵀφ(k)), from the kernel's log-features
   fq, fk = kernels.KERNELS["positive"].log_features(q, k, _proj())
   lq, lk = np.asarray(fq.log, np.float64), np.asarray(fk.log, np.float64)
@@ -110,8 +111,8 @@ def test_gated_hybrid_equals_the_explicit_form(causal):
   w = np.exp(logw - np.where(seen, logw.max(2), 0.0)[:, :, None])
   want = np.einsum("btjh,bjhd->bthd", w / np.where(seen, w.sum(2), 1.0)[:, :, None], np.asarray(v, np.float64))
   np.testing.assert_allclose(got, want, atol=2e-4 * np.max(np.abs(want)), rtol=0)
-  weights = core.attention_weights(q, k, _proj(), kernel="positive", window=window, causal=causal, key_mask=mask,
-                                   log_gate=g, segment_ids=ids)
+  weights = jax.jit(lambda q, k: core.attention_weights(q, k, _proj(), kernel="positive", window=window, causal=causal,
+                                                        key_mask=mask, log_gate=g, segment_ids=ids))(q, k)
   np.testing.assert_allclose(np.einsum("bhtj,bjhd->bthd", weights, v), want, atol=2e-4 * np.max(np.abs(want)))
 
 
