@@ -59,7 +59,6 @@ LOCATIONS = "JAX_TRACEBACK_IN_LOCATIONS_LIMIT"
 # Peak memory is unchanged (2.26 GB either way): the cycles are still collected, in larger batches.
 GC_THRESHOLDS = (50_000, 20, 1000)
 gc.set_threshold(*GC_THRESHOLDS)
-SITE_ENV = "FAVOR_JAX_TEST_SITE"  # the run's sitecustomize directory (set by the controller, removed at its end)
 
 
 def _xla_accepts(flag: str) -> bool:
@@ -93,14 +92,16 @@ def pytest_configure(config):
 
 def _children_collect_less_often(config):
   """Python imports ``sitecustomize`` at startup from its path: one in a directory of this run's own, put first
-  on PYTHONPATH, gives every process a test starts the suite's GC thresholds. Not where the interpreter already
-  has a sitecustomize (this one would hide it) or where the caller's PYTHONPATH brings one."""
-  if SITE_ENV in os.environ or importlib.util.find_spec("sitecustomize") is not None:
+  on PYTHONPATH, gives every process a test starts the suite's GC thresholds. Not where a sitecustomize is
+  already importable: the interpreter's own or the caller's PYTHONPATH's (this one would hide it), or this
+  run's, in a pytest that a test starts."""
+  if importlib.util.find_spec("sitecustomize") is not None:
     return
-  site = config._favor_site = os.environ[SITE_ENV] = tempfile.mkdtemp(prefix="favor_jax_test_site_")
+  site = tempfile.mkdtemp(prefix="favor_jax_test_site_")
+  config._favor_site = (site, os.environ.get("PYTHONPATH"))  # removed, and PYTHONPATH restored, at the end
   with open(os.path.join(site, "sitecustomize.py"), "w") as f:
     f.write(f"import gc\ngc.set_threshold(*{GC_THRESHOLDS!r})  # tests/conftest.py: the suite's GC thresholds\n")
-  os.environ["PYTHONPATH"] = os.pathsep.join([site, *filter(None, [os.environ.get("PYTHONPATH")])])
+  os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [site, config._favor_site[1]]))
 
 
 def pytest_sessionstart(session):
@@ -112,13 +113,12 @@ def pytest_unconfigure(config):
     shutil.rmtree(config._favor_cache, ignore_errors=True)
     del os.environ[CACHE_ENV]
   if getattr(config, "_favor_site", None):
-    shutil.rmtree(config._favor_site, ignore_errors=True)
-    del os.environ[SITE_ENV]
-    paths = os.environ["PYTHONPATH"].split(os.pathsep)[1:]
-    if paths:
-      os.environ["PYTHONPATH"] = os.pathsep.join(paths)
-    else:
+    site, pythonpath = config._favor_site
+    shutil.rmtree(site, ignore_errors=True)
+    if pythonpath is None:
       del os.environ["PYTHONPATH"]
+    else:
+      os.environ["PYTHONPATH"] = pythonpath
 
 
 CRASHED = set()  # tests whose worker died once (the controller's record)
