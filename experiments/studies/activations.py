@@ -18,6 +18,7 @@ Shapes: B batch, L length, H heads, D head dim, F features, R fitted rows.
 from __future__ import annotations
 
 import copy
+import functools
 import os
 
 import jax
@@ -169,6 +170,11 @@ def fit_map(kernel, rows, q_fit, k_fit, steps, lr, key, init=None, *, v_fit=None
 
 def errors(q, k, v, projection, kernel, rho, window):
   """(relative output error, mean KL(softmax ‖ estimator) per row) of one estimator on one layer."""
+  return tuple(float(x) for x in _errors(q, k, v, projection, kernel, rho, window))
+
+
+@functools.partial(jax.jit, static_argnames=("kernel", "window"))  # one program, not one per operation
+def _errors(q, k, v, projection, kernel, rho, window):
   exact = core.softmax_attention(q, k, v, causal=True)
   if window:
     out = core.hybrid_attention(q, k, v, projection, window=window, kernel=kernel, causal=True, rho=rho)
@@ -179,7 +185,7 @@ def errors(q, k, v, projection, kernel, rho, window):
   seen = target > 0
   kl = jnp.sum(jnp.where(seen, target * (jnp.log(jnp.where(seen, target, 1.0))
                                          - jnp.log(jnp.maximum(approx, 1e-30))), 0.0), axis=-1)
-  return float(jnp.linalg.norm(out - exact) / jnp.linalg.norm(exact)), float(jnp.mean(kl))
+  return jnp.linalg.norm(out - exact) / jnp.linalg.norm(exact), jnp.mean(kl)
 
 
 # (name, kernel, window, how its map is made): "random" draws, "fitted" distillation.

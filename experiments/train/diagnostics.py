@@ -55,7 +55,20 @@ def _stats(q, k, log_gate, segment_ids):
   scale = q.shape[-1] ** -0.25
   k_top = jnp.take_along_axis(jnp.moveaxis(k, 2, 1), heaviest[..., None], axis=2)  # [B, H, L, D]
   pair = jnp.sum(jnp.square(scale * (jnp.moveaxis(q, 2, 1) + k_top)), -1)
-  return float(jnp.mean(entropy)), float(jnp.mean(peak)), float(jnp.mean(pair))
+  return jnp.mean(entropy), jnp.mean(peak), jnp.mean(pair)
+
+
+def _own_error(attention, q, k, v, projection, log_gate, segment_ids):
+  """‖estimate − exact‖/‖exact‖ of a FAVOR run's own estimator (``attention``: its config) on q, k, v."""
+  exact = core.softmax_attention(q, k, v, causal=True, log_gate=log_gate, segment_ids=segment_ids)
+  kw = dict(kernel=attention.kernel, causal=True, log_gate=log_gate, segment_ids=segment_ids,
+            chunk_size=attention.chunk_size)
+  if attention.window:
+    estimate = core.hybrid_attention(q, k, v, projection, window=attention.window,
+                                     control_variate=attention.get("control_variate", 0.0) or None, **kw)
+  else:
+    estimate = core.favor_attention(q, k, v, projection, **kw)
+  return jnp.linalg.norm(estimate - exact) / jnp.linalg.norm(exact)
 
 
 def own_activations(config, state) -> dict:
@@ -69,6 +82,10 @@ def own_activations(config, state) -> dict:
       v, t, capture_intermediates=lambda module, method: module.name in CAPTURED, mutable=["intermediates"],
       **packed))(variables, batch.tokens)
   a = config.attention
+  # One program per run, reused by every layer (the same shapes): called op by op, the causal passes would
+  # compile hundreds of small programs per layer.
+  stats = jax.jit(_stats)
+  own_error = jax.jit(lambda *args: _own_error(a, *args)) if a.type == "favor" else None
   out = dict(attention_entropy=[], peak_logit=[], peak_pair_sq=[], own_error=[])
   for i in range(config.model.num_layers):
     got = captured["intermediates"][f"block_{i}"]["attention"]
@@ -78,19 +95,12 @@ def own_activations(config, state) -> dict:
     logit = _find(got, "forget_gate")
     log_gate = gates.layer_log_gate(None if logit is None else logit["__call__"][0], False, q.shape[:-1])
     seg = packed.get("segment_ids")
-    for name, value in zip(("attention_entropy", "peak_logit", "peak_pair_sq"), _stats(q, k, log_gate, seg)):
-      out[name].append(value)
-    if a.type != "favor":
+    for name, value in zip(("attention_entropy", "peak_logit", "peak_pair_sq"), stats(q, k, log_gate, seg)):
+      out[name].append(float(value))
+    if own_error is None:
       out["own_error"].append(0.0)
       continue
-    exact = core.softmax_attention(q, k, v, causal=True, log_gate=log_gate, segment_ids=seg)
-    kw = dict(kernel=a.kernel, causal=True, log_gate=log_gate, segment_ids=seg, chunk_size=a.chunk_size)
     projection = _find(state.favor, f"block_{i}")
     projection = None if projection is None else _find(projection, "projection")
-    if a.window:
-      estimate = core.hybrid_attention(q, k, v, projection, window=a.window,
-                                       control_variate=a.get("control_variate", 0.0) or None, **kw)
-    else:
-      estimate = core.favor_attention(q, k, v, projection, **kw)
-    out["own_error"].append(float(jnp.linalg.norm(estimate - exact) / jnp.linalg.norm(exact)))
+    out["own_error"].append(float(own_error(q, k, v, projection, log_gate, seg)))
   return {name: float(np.mean(values)) for name, values in out.items()}

@@ -59,13 +59,13 @@ def test_the_layers_pass_the_control_variate_to_the_hybrid():
   window (same parameters, same projection), and β = 0.3 differs from both."""
   x = jax.random.normal(jax.random.PRNGKey(2), (B, L, 16))
   make = lambda **kw: favor_linen.FavorAttention(num_heads=2, num_features=16, causal=True, chunk_size=4, **kw)
-  variables = make().init(jax.random.PRNGKey(0), x)
-  out = lambda **kw: make(**kw).apply(variables, x)
+  variables = jax.jit(make().init)(jax.random.PRNGKey(0), x)
+  out = lambda **kw: jax.jit(make(**kw).apply)(variables, x)
   np.testing.assert_allclose(out(window=3, control_variate=-1.0), out(), atol=2e-5)
   assert not np.allclose(out(window=3, control_variate=0.3), out(window=3), atol=1e-4)
   layer = favor_nnx.FavorAttention(2, 16, num_features=16, causal=True, window=3, control_variate=-1.0,
                                    rngs=nnx.Rngs(0))
-  assert layer.control_variate == -1.0 and layer(x).shape == x.shape
+  assert layer.control_variate == -1.0 and nnx.jit(lambda m, x: m(x))(layer, x).shape == x.shape
 
 
 @pytest.mark.parametrize("kwargs,match", [
@@ -131,11 +131,11 @@ def test_a_control_variate_model_decodes_as_its_full_pass():
   layer = functools.partial(favor_linen.FavorAttention, num_heads=2, num_features=16, causal=True, window=4,
                             control_variate=0.3, forget_gate=True, chunk_size=4)
   x = jax.random.normal(jax.random.PRNGKey(0), (2, 11, 16))
-  variables = layer().init(jax.random.PRNGKey(1), x)
+  variables = jax.jit(layer().init)(jax.random.PRNGKey(1), x)
   full = jax.jit(layer().apply)(variables, x)
   decoder = layer(decode=True)
   step = jax.jit(lambda v, x: decoder.apply(v, x, mutable=["cache"]))
-  out, mut = step({**variables, "cache": decoder.init(jax.random.PRNGKey(1), x[:, :1])["cache"]}, x[:, :6])
+  out, mut = step({**variables, "cache": jax.jit(decoder.init)(jax.random.PRNGKey(1), x[:, :1])["cache"]}, x[:, :6])
   outs = [out]
   for t in range(6, 11):
     out, mut = step({**variables, "cache": mut["cache"]}, x[:, t:t + 1])

@@ -112,9 +112,10 @@ def test_language_model_is_causal(attention, positions, short_conv):
   config = tiny(**{"attention.type": attention, "model.positions": positions, "model.short_conv": short_conv})
   model = models.make_model(config, vocab_size=64, num_classes=0, max_len=32)
   tokens = jax.random.randint(jax.random.PRNGKey(0), (2, 32), 1, 64)
-  variables = model.init(jax.random.PRNGKey(1), tokens)
+  variables = jax.jit(model.init)(jax.random.PRNGKey(1), tokens)
   changed = tokens.at[:, 20:].set((tokens[:, 20:] + 7) % 64)
-  a, b = model.apply(variables, tokens), model.apply(variables, changed)
+  apply = jax.jit(model.apply)
+  a, b = apply(variables, tokens), apply(variables, changed)
   np.testing.assert_allclose(a[:, :20], b[:, :20], atol=1e-6)
   assert np.abs(a[:, 20:] - b[:, 20:]).max() > 1e-3
 
@@ -133,12 +134,13 @@ def test_classifier_is_unchanged_by_extra_padding():
   config = tiny(**{"attention.type": "favor"})
   model = models.make_model(config, vocab_size=16, num_classes=10, max_len=32)
   tokens = jax.random.randint(jax.random.PRNGKey(0), (2, 24), 1, 16).at[:, 10:].set(0)
-  variables = model.init(jax.random.PRNGKey(1), tokens)
-  out = model.apply(variables, tokens)
+  variables = jax.jit(model.init)(jax.random.PRNGKey(1), tokens)
+  apply = jax.jit(model.apply)
+  out = apply(variables, tokens)
   assert out.shape == (2, 10)
   padded = jnp.pad(tokens, ((0, 0), (0, 8)))
-  np.testing.assert_allclose(model.apply(variables, padded), out, atol=1e-5)
-  assert np.abs(model.apply(variables, tokens.at[:, 3].set(9)) - out).max() > 1e-4
+  np.testing.assert_allclose(apply(variables, padded), out, atol=1e-5)
+  assert np.abs(apply(variables, tokens.at[:, 3].set(9)) - out).max() > 1e-4
 
 
 # --- training ----------------------------------------------------------------------------------------
@@ -158,9 +160,8 @@ def test_one_train_step_golden_value():
   assert int(state.step) == 1 and int(state.data_position) == 1 and int(state.nonfinite_step) == -1
   before = np.asarray(state.sums_3)
   assert before[2] == 8 * 4  # 8 sequences × 4 answers
-  after = np.asarray(training.metric_sums(
-      model.apply({"params": state.params, "favor": state.favor}, task.train_batch(0).tokens),
-      task.train_batch(0)))
+  logits = jax.jit(model.apply)({"params": state.params, "favor": state.favor}, task.train_batch(0).tokens)
+  after = np.asarray(training.metric_sums(logits, task.train_batch(0)))
   losses = (before[0] / before[2], after[0] / after[2])
   assert abs(losses[0] - np.log(64)) < 1.0  # an untrained model is near uniform over the vocabulary
   assert losses[1] < losses[0]  # the step descends on its own batch

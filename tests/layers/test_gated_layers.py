@@ -93,7 +93,7 @@ def test_linen_gated_layer_is_the_explicit_gated_form(kernel, forget_gate, alibi
                                      num_features=num_features, forget_gate=forget_gate, alibi=alibi, chunk_size=4)
   x = _x()
   segments = jnp.asarray(SEGMENTS) if packed else None
-  variables = layer.init(jax.random.PRNGKey(0), x, segment_ids=segments)
+  variables = jax.jit(layer.init)(jax.random.PRNGKey(0), x, segment_ids=segments)
   assert ("forget_gate" in variables["params"]) == forget_gate
   if forget_gate:  # FoX's init: zero weight, every gate σ(FORGET_GATE_BIAS) ≈ 0.993
     np.testing.assert_array_equal(variables["params"]["forget_gate"]["kernel"], 0.0)
@@ -125,7 +125,7 @@ def test_nnx_gated_packed_layer_is_the_explicit_gated_form():
 def test_softmax_model_attention_is_the_forgetting_transformer(forget_gate, alibi):
   layer = models.SoftmaxAttention(num_heads=H, rotary=False, forget_gate=forget_gate, alibi=alibi)
   x = _x(2, (B, L, H * DH))
-  params = _randomised(layer.init(jax.random.PRNGKey(0), x, segment_ids=jnp.asarray(SEGMENTS))["params"])
+  params = _randomised(jax.jit(layer.init)(jax.random.PRNGKey(0), x, segment_ids=jnp.asarray(SEGMENTS))["params"])
   got = jax.jit(lambda p: layer.apply({"params": p}, x, segment_ids=jnp.asarray(SEGMENTS)))(params)
   want = _reference(x, _linen_params(params), kernel="softmax", forget_gate=forget_gate, alibi=alibi,
                     segments=SEGMENTS)
@@ -148,7 +148,7 @@ def test_linen_packed_row_is_each_document_alone(causal, window):
   layer = favor_linen.FavorAttention(num_heads=H, qkv_features=H * DH, num_features=16, causal=causal,
                                      forget_gate=causal, window=window, chunk_size=4)
   x = _x(3)
-  variables = layer.init(jax.random.PRNGKey(0), x)
+  variables = jax.jit(layer.init)(jax.random.PRNGKey(0), x)
   variables = {**variables, "params": _randomised(variables["params"])}
   packed = jax.jit(lambda x, s: layer.apply(variables, x, segment_ids=s))(x, jnp.asarray(SEGMENTS))
   alone = _documents_alone(jax.jit(lambda d: layer.apply(variables, d)), x, SEGMENTS)
@@ -174,10 +174,10 @@ def test_linen_decode_across_a_boundary_is_the_full_pass(window):
                 window=window, chunk_size=4)
   full_layer, decoder = favor_linen.FavorAttention(**kwargs), favor_linen.FavorAttention(**kwargs, decode=True)
   x, segments = _x(5), jnp.asarray(SEGMENTS)
-  variables = full_layer.init(jax.random.PRNGKey(0), x)
+  variables = jax.jit(full_layer.init)(jax.random.PRNGKey(0), x)
   variables = {**variables, "params": _randomised(variables["params"])}
-  full = full_layer.apply(variables, x, segment_ids=segments)
-  cache = decoder.init(jax.random.PRNGKey(0), x[:, :1], segment_ids=segments[:, :1])["cache"]
+  full = jax.jit(full_layer.apply)(variables, x, segment_ids=segments)
+  cache = jax.jit(decoder.init)(jax.random.PRNGKey(0), x[:, :1], segment_ids=segments[:, :1])["cache"]
   step = jax.jit(lambda cache, xt, st: decoder.apply({**variables, "cache": cache}, xt, segment_ids=st,
                                                      mutable=["cache"]))
   outs = []

@@ -122,7 +122,7 @@ def test_drop_in_attention_fn_equals_the_explicit_form():
   x = _x()
   mha = nn.MultiHeadDotProductAttention(num_heads=H, attention_fn=layers.make_attention_fn(projection,
                                                                                            causal=True))
-  got = mha.apply({"params": base["params"]}, x)
+  got = jax.jit(mha.apply)({"params": base["params"]}, x)
   _check(got, _reference(base["params"], projection, x), base["params"]["out"]["bias"], 1.0, "attention_fn")
 
 

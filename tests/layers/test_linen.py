@@ -29,16 +29,17 @@ def _proj(m=32, seed=1):
 def test_attention_fn_in_linen_mha_honours_key_padding_mask():
   x = _x()
   mha = nn.MultiHeadDotProductAttention(num_heads=H, attention_fn=layers.make_attention_fn(_proj()))
-  params = mha.init(jax.random.PRNGKey(0), x)
+  params = jax.jit(mha.init)(jax.random.PRNGKey(0), x)
+  apply = jax.jit(mha.apply)
   keep = 7
   pad = jnp.broadcast_to(jnp.arange(L) < keep, (B, L))
-  masked = mha.apply(params, x, x, mask=pad[:, None, None, :])
-  truncated = mha.apply(params, x, x[:, :keep])  # cross-attention over the kept keys only
+  masked = apply(params, x, x, mask=pad[:, None, None, :])
+  truncated = apply(params, x, x[:, :keep])  # cross-attention over the kept keys only
   np.testing.assert_allclose(masked, truncated, rtol=1e-5, atol=1e-5)
-  assert not np.allclose(masked, mha.apply(params, x))  # the mask changed something
+  assert not np.allclose(masked, apply(params, x))  # the mask changed something
   # Flax's helper with a [batch, 1] query side gives the same key-only mask.
   helper = nn.make_attention_mask(jnp.ones((B, 1)), pad)
-  np.testing.assert_allclose(mha.apply(params, x, mask=helper), masked, rtol=1e-6)
+  np.testing.assert_allclose(apply(params, x, mask=helper), masked, rtol=1e-6)
 
 
 def test_attention_fn_refuses_what_it_cannot_honour():
@@ -66,14 +67,14 @@ def test_attention_fn_refuses_what_it_cannot_honour():
 def test_softmax_params_load_unchanged_and_favor_approaches_softmax():
   x = _x() * 0.5
   mha = nn.MultiHeadDotProductAttention(num_heads=H)
-  params = mha.init(jax.random.PRNGKey(0), x)["params"]
-  exact = mha.apply({"params": params}, x)
+  params = jax.jit(mha.init)(jax.random.PRNGKey(0), x)["params"]
+  exact = jax.jit(mha.apply)({"params": params}, x)
   errors = []
   for m in (8, 128, 2048):
     favor = flin.FavorAttention(num_heads=H, num_features=m)
-    init = favor.init(jax.random.PRNGKey(m), x)
+    init = jax.jit(favor.init)(jax.random.PRNGKey(m), x)
     assert jax.tree_util.tree_structure(init["params"]) == jax.tree_util.tree_structure(params)
-    out = favor.apply({"params": params, "favor": init["favor"]}, x)
+    out = jax.jit(favor.apply)({"params": params, "favor": init["favor"]}, x)
     errors.append(float(jnp.mean((out - exact) ** 2)))
   assert errors[0] > errors[1] > errors[2], errors
 
@@ -109,7 +110,7 @@ def test_each_layer_owns_an_independent_projection_and_redraw_is_pure():
 def test_redraw_of_frozen_variables_redraws_and_stays_frozen():
   """A FrozenDict of variables was passed through untouched (no layer redrawn, no error)."""
   x = _x()
-  variables = TwoLayers().init(jax.random.PRNGKey(0), x)
+  variables = jax.jit(TwoLayers().init)(jax.random.PRNGKey(0), x)
   frozen = flax.core.freeze(variables)
   new = flin.redraw(frozen, jax.random.PRNGKey(5))
   assert isinstance(new, flax.core.FrozenDict) and isinstance(new["favor"]["attn_0"], flax.core.FrozenDict)
@@ -132,7 +133,7 @@ def test_redraw_of_layers_stacked_by_nn_scan_draws_each_layer(per_head):
 
   stack = nn.scan(Block, variable_axes={"params": 0, "favor": 0}, split_rngs={"params": True}, length=3)()
   x = _x()
-  variables = stack.init(jax.random.PRNGKey(1), x, None)
+  variables = jax.jit(stack.init)(jax.random.PRNGKey(1), x, None)
   old = variables["favor"]["FavorAttention_0"]["projection"]
   new = flin.redraw(variables, jax.random.PRNGKey(5))["favor"]["FavorAttention_0"]["projection"]
   assert new.shape == old.shape == (3,) + ((H,) if per_head else ()) + (D, D)
@@ -142,13 +143,13 @@ def test_redraw_of_layers_stacked_by_nn_scan_draws_each_layer(per_head):
     np.testing.assert_allclose(gram - np.diag(np.diag(gram)), 0.0, atol=1e-4 * np.max(np.diag(gram)))
   assert all(not np.allclose(blocks[i], blocks[j]) for i in range(len(blocks)) for j in range(i))
   assert not np.any(np.isclose(new, old).all(axis=(-2, -1)))
-  stack.apply({**variables, "favor": flin.redraw(variables, jax.random.PRNGKey(5))["favor"]}, x, None)
+  jax.jit(stack.apply)({**variables, "favor": flin.redraw(variables, jax.random.PRNGKey(5))["favor"]}, x, None)
 
 
 def test_jitted_train_step_with_redraw_schedule_compiles_once():
   x = _x()
   model = TwoLayers()
-  variables = model.init(jax.random.PRNGKey(0), x)
+  variables = jax.jit(model.init)(jax.random.PRNGKey(0), x)
   tx = optax.adam(1e-3)
   opt_state = tx.init(variables["params"])
 
@@ -189,27 +190,28 @@ def test_decode_prompt_then_tokens_equals_causal_forward():
 def test_causal_favor_plus_plus_keeps_running_rho_and_never_looks_ahead():
   x = _x()
   layer = flin.FavorAttention(num_heads=H, num_features=16, kernel="optimal_positive", causal=True)
-  variables = layer.init(jax.random.PRNGKey(0), x)
+  variables = jax.jit(layer.init)(jax.random.PRNGKey(0), x)
   np.testing.assert_array_equal(variables["favor"]["rho"], 0.0)
-  out, mut = layer.apply(variables, x, deterministic=False, mutable=["favor"])
+  train = jax.jit(functools.partial(layer.apply, deterministic=False, mutable=["favor"]))
+  out, mut = train(variables, x)
   assert np.all(mut["favor"]["rho"] > 0)
   momentum_0 = flin.FavorAttention(num_heads=H, num_features=16, kernel="optimal_positive", causal=True,
                                    rho_momentum=0.0)  # ρ = this batch's statistic
-  _, batch = momentum_0.apply(variables, x, deterministic=False, mutable=["favor"])
+  _, batch = jax.jit(functools.partial(momentum_0.apply, deterministic=False, mutable=["favor"]))(variables, x)
   np.testing.assert_allclose(mut["favor"]["rho"], 0.01 * batch["favor"]["rho"], rtol=1e-6)  # default 0.99
   later = x.at[:, 6:].set(100.0)
-  out2, _ = layer.apply(variables, later, deterministic=False, mutable=["favor"])
+  out2, _ = train(variables, later)
   np.testing.assert_allclose(out2[:, :6], out[:, :6], rtol=1e-6, atol=1e-6)
   trained = {**variables, **mut}
-  _, frozen = layer.apply(trained, x, mutable=["favor"])  # eval (deterministic): ρ stays
+  _, frozen = jax.jit(functools.partial(layer.apply, mutable=["favor"]))(trained, x)  # eval (deterministic): ρ stays
   np.testing.assert_array_equal(frozen["favor"]["rho"], mut["favor"]["rho"])
 
 
 def test_bf16_compute():
   x = _x().astype(jnp.bfloat16)
   layer = flin.FavorAttention(num_heads=H, num_features=16, dtype=jnp.bfloat16, causal=True)
-  variables = layer.init(jax.random.PRNGKey(0), x)
-  out = layer.apply(variables, x)
+  variables = jax.jit(layer.init)(jax.random.PRNGKey(0), x)
+  out = jax.jit(layer.apply)(variables, x)
   assert out.dtype == jnp.bfloat16 and variables["params"]["query"]["kernel"].dtype == jnp.float32
   assert np.all(np.isfinite(np.float32(out)))
 

@@ -87,7 +87,7 @@ def _nnx_run(kernel, x, **kw):
   projection = layer._projection()
   if _role(kernel) != "random":
     assert layer.projection is None
-  return layer(x), _nnx_params(layer), projection
+  return nnx.jit(lambda m, x: m(x))(layer, x), _nnx_params(layer), projection
 
 
 RUN = {"linen": _linen_run, "nnx": _nnx_run}
@@ -190,7 +190,8 @@ def test_qk_transform_reaches_the_features_in_both_layers(api, causal):
   for transform in (shift, zero_key):
     got, params, projection = RUN[api]("positive", x, num_features=M, causal=causal, qk_transform=transform)
     q, k, v = _qkv(params, x)
-    want = _out(params, core.favor_attention(*transform(q, k), v, projection, causal=causal))
+    favor = jax.jit(functools.partial(core.favor_attention, causal=causal))
+    want = _out(params, favor(*transform(q, k), v, projection))
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
   count = jnp.arange(1, L + 1)[None, :, None, None]
   mean_v = jnp.cumsum(v, axis=1) / count if causal else jnp.broadcast_to(v.mean(1, keepdims=True), v.shape)
@@ -199,9 +200,10 @@ def test_qk_transform_reaches_the_features_in_both_layers(api, causal):
 
 # --- per-head projections ----------------------------------------------------------------------------
 
-def _each_head_alone(q, k, v, projection, **kw):
-  heads = [core.favor_attention(q[..., h:h + 1, :], k[..., h:h + 1, :], v[..., h:h + 1, :], projection[h],
-                 **kw) for h in range(H)]
+@jax.jit
+def _each_head_alone(q, k, v, projection):
+  heads = [core.favor_attention(q[..., h:h + 1, :], k[..., h:h + 1, :], v[..., h:h + 1, :], projection[h])
+           for h in range(H)]
   return jnp.concatenate(heads, axis=-2)
 
 
@@ -224,7 +226,7 @@ def test_linen_per_head_projection_equals_each_head_alone_and_redraws_per_head()
   _assert_independent_orthogonal_heads(p)
   q, k, v = _qkv(variables["params"], x)
   want = _out(variables["params"], _each_head_alone(q, k, v, p))
-  np.testing.assert_allclose(layer.apply(variables, x), want, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(jax.jit(layer.apply)(variables, x), want, rtol=1e-5, atol=1e-5)
   new = _redraw(variables, jax.random.PRNGKey(5))
   _assert_independent_orthogonal_heads(new["favor"]["projection"], old=p)
   np.testing.assert_array_equal(_redraw(variables, jax.random.PRNGKey(5))["favor"]["projection"],
@@ -245,7 +247,8 @@ def test_nnx_per_head_projection_equals_each_head_alone_and_redraws_per_head():
   assert p.shape == (H, 6, D) and not np.allclose(p[0], p[1])
   params = _nnx_params(layer)
   q, k, v = _qkv(params, x)
-  np.testing.assert_allclose(layer(x), _out(params, _each_head_alone(q, k, v, p)), rtol=1e-5, atol=1e-5)
+  got = nnx.jit(lambda m, x: m(x))(layer, x)
+  np.testing.assert_allclose(got, _out(params, _each_head_alone(q, k, v, p)), rtol=1e-5, atol=1e-5)
   layer.redraw(jax.random.PRNGKey(3), due=False)
   np.testing.assert_array_equal(layer.projection[...], p)
   fnnx.redraw(layer, jax.random.PRNGKey(3))
@@ -288,7 +291,7 @@ def test_nnx_hedgehog_feature_map_is_an_optimised_param_and_redraw_leaves_it():
   np.testing.assert_array_equal(layer.feature_map[...], _identity(H))
   assert "feature_map" in nnx.state(layer, nnx.Param)
   optimizer = nnx.Optimizer(layer, optax.sgd(0.1), wrt=nnx.Param)
-  optimizer.update(layer, nnx.grad(lambda m: jnp.sum(m(x) ** 2))(layer))
+  optimizer.update(layer, nnx.jit(nnx.grad(lambda m: jnp.sum(m(x) ** 2)))(layer))
   assert not np.allclose(layer.feature_map[...], _identity(H))
   with pytest.raises(ValueError, match="no random projection to redraw.*feature_map is trained"):
     layer.redraw(jax.random.PRNGKey(0))
@@ -302,19 +305,21 @@ def test_linen_window_is_core_hybrid_and_a_full_window_is_flax_softmax_attention
   x = _x() * 0.7
   layer = lambda window, causal=True: flin.FavorAttention(num_heads=H, num_features=M, window=window,
                                                           causal=causal)
+  apply = lambda window, causal=True: jax.jit(layer(window, causal).apply)(variables, x)
   variables = _init(layer(3), x)
   params, projection = variables["params"], variables["favor"]["projection"]
   q, k, v = _qkv(params, x)
-  want = _out(params, core.hybrid_attention(q, k, v, projection, window=3, causal=True))
-  np.testing.assert_allclose(layer(3).apply(variables, x), want, rtol=1e-5, atol=1e-5)
+  hybrid = jax.jit(functools.partial(core.hybrid_attention, window=3, causal=True))
+  want = _out(params, hybrid(q, k, v, projection))
+  np.testing.assert_allclose(apply(3), want, rtol=1e-5, atol=1e-5)
   mha = nn.MultiHeadDotProductAttention(num_heads=H)
-  exact = mha.apply({"params": params}, x, mask=nn.make_causal_mask(x[..., 0]))
-  np.testing.assert_allclose(layer(L).apply(variables, x), exact, rtol=1e-5, atol=1e-5)
+  exact = jax.jit(mha.apply)({"params": params}, x, mask=nn.make_causal_mask(x[..., 0]))
+  np.testing.assert_allclose(apply(L), exact, rtol=1e-5, atol=1e-5)
   # bidirectional: |t − j| < L covers every key
-  np.testing.assert_allclose(layer(L, causal=False).apply(variables, x), mha.apply({"params": params}, x),
+  np.testing.assert_allclose(apply(L, causal=False), jax.jit(mha.apply)({"params": params}, x),
                              rtol=1e-5, atol=1e-5)
   fn = layers.make_attention_fn(projection, causal=True, window=L)  # the drop-in attention_fn in Flax's module
-  np.testing.assert_allclose(nn.MultiHeadDotProductAttention(num_heads=H, attention_fn=fn).apply(
+  np.testing.assert_allclose(jax.jit(nn.MultiHeadDotProductAttention(num_heads=H, attention_fn=fn).apply)(
       {"params": params}, x), exact, rtol=1e-5, atol=1e-5)
 
 
@@ -324,13 +329,13 @@ def test_nnx_full_window_is_flax_softmax_attention():
   for window in (L, 3):
     layer = _nnx_layer("taylor", window=window, causal=True)
     nnx.update(layer, nnx.state(mha, nnx.Param))
-    exact = mha(x, mask=nn.make_causal_mask(x[..., 0]))
-    got = layer(x)
+    exact = nnx.jit(lambda m, x, mask: m(x, mask=mask))(mha, x, nn.make_causal_mask(x[..., 0]))
+    got = nnx.jit(lambda m, x: m(x))(layer, x)
     if window == L:
       np.testing.assert_allclose(got, exact, rtol=1e-5, atol=1e-5)
     else:
       q, k, v = _qkv(_nnx_params(layer), x)
-      hybrid = core.hybrid_attention(q, k, v, None, window=3, kernel="taylor", causal=True)
+      hybrid = jax.jit(functools.partial(core.hybrid_attention, window=3, kernel="taylor", causal=True))(q, k, v, None)
       np.testing.assert_allclose(got, _out(_nnx_params(layer), hybrid), rtol=1e-5, atol=1e-5)
       assert not np.allclose(got, exact, atol=1e-3)
 
@@ -408,9 +413,10 @@ def test_nnx_decoding_token_by_token_equals_the_causal_layer(case):
   layer = _nnx_layer(causal=True, **NNX_DECODE[case])
   if "hedgehog" in case:
     layer.feature_map[...] += 0.3 * jax.random.normal(jax.random.PRNGKey(1), (H, D, D))
-  full = layer(x)
+  full = nnx.jit(lambda m, x: m(x))(layer, x)
   layer.init_cache(x.shape)
-  outs = [layer(piece, decode=True) for piece in _pieces(x)]
+  step = nnx.jit(lambda m, x: m(x, decode=True))  # the decode state and its index update in place
+  outs = [step(layer, piece) for piece in _pieces(x)]
   np.testing.assert_allclose(jnp.concatenate(outs, 1), full, rtol=1e-4, atol=1e-5)
 
 
@@ -455,7 +461,8 @@ def test_padded_self_attention_of_a_data_dependent_kernel_gives_the_unpadded_row
       got, want = apply(variables, padded, mask=mask), apply(variables, x[:, :real])
     else:
       layer = _nnx_layer(kernel, num_features=M)
-      got, want = layer(padded, mask=mask), layer(x[:, :real])
+      run = nnx.jit(lambda m, x, mask: m(x, mask=mask))
+      got, want = run(layer, padded, mask), run(layer, x[:, :real], None)
     np.testing.assert_allclose(got[:, :real], want, atol=1e-5, err_msg=kernel)
   if api == "linen":
     layer = flin.FavorAttention(num_heads=H, num_features=M, kernel="saderf", causal=True, rho_momentum=0.5)
@@ -464,8 +471,9 @@ def test_padded_self_attention_of_a_data_dependent_kernel_gives_the_unpadded_row
     stat, want = (train(padded, mask=mask)[1]["favor"]["rho"], train(x[:, :real])[1]["favor"]["rho"])
   else:
     layer, twin = (_nnx_layer("saderf", num_features=M, causal=True, rho_momentum=0.5) for _ in range(2))
-    layer(padded, mask=mask, deterministic=False)
-    twin(x[:, :real], deterministic=False)
+    train = nnx.jit(lambda m, x, mask: m(x, mask=mask, deterministic=False))
+    train(layer, padded, mask)
+    train(twin, x[:, :real], None)
     stat, want = layer.statistic[...], twin.statistic[...]
   np.testing.assert_allclose(stat, want, rtol=1e-5, atol=1e-7)
 
@@ -503,9 +511,10 @@ def test_a_batch_element_of_padding_alone_leaves_the_running_statistic_alone(api
     else:
       layer = _nnx_layer(kernel, num_features=M, causal=True, rho_momentum=0.5, dtype=dtype)
       params = _nnx_params(layer)
-      layer(batch, mask=mask, deterministic=False)
+      train = nnx.jit(lambda m, x, mask: m(x, mask=mask, deterministic=False))
+      train(layer, batch, mask)
       first = layer.statistic[...]
-      layer(batch, mask=nothing, deterministic=False)
+      train(layer, batch, nothing)
       again = layer.statistic[...]
     q, k, _ = _qkv(jax.tree.map(lambda p: p.astype(dtype), params), x.astype(dtype))  # as the layer rounds them
     want = 0.5 * core.get_kernel(kernel).compute_statistic(q.astype(jnp.float32), k.astype(jnp.float32)).mean(0)
