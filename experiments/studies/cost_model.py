@@ -127,23 +127,43 @@ BACKWARD = {method: (flops, 3.0) for method, flops in counts.HARDWARE_FWD_BWD.it
 
 
 def predict(method: str, chip: str, length: int, *, batch: int, heads: int, head_dim: int, num_features: int,
-            chunk: int, bytes_in: int, passes: str = "fwd", design: dict | None = None) -> dict:
+            chunk: int, bytes_in: int, passes: str = "fwd", design: dict | None = None,
+            step_overhead_s: float = 0.0) -> dict:
   """The roofline time (s) of one causal call [batch, length, heads, head_dim] and which bound sets it.
   ``design`` (an ``export_design`` record, method "favor_fused"): its bytes and FLOPs read from the exported
-  programs at ``length`` (the nearest exported length's, per token; CUDA's for a GPU), instead of the formulas'."""
+  programs at ``length`` (the nearest exported length's, per token; CUDA's for a GPU), instead of the formulas'.
+  ``step_overhead_s``: a fixed time per grid step of a design's TPU kernels (their grid steps read from its
+  programs; a TensorCore runs them one after another), added to the roofline; 0 by default (not known here)."""
   flops, nbytes = per_token(method, length, head_dim, num_features, chunk, bytes_in)
   if passes == "fwd_bwd":
     flops, nbytes = flops * BACKWARD[method][0], nbytes * BACKWARD[method][1]
+  steps = None
   if design is not None:
     programs = design.get("cuda") or design["lengths"] if chip in GPU_CHIPS else design["lengths"]
     near = min(programs, key=lambda n: abs(math.log(int(n) / length)))
     read = programs[near][passes]
     nbytes, flops = read["bytes_per_token"], read.get("flops_per_token", flops)  # the products it computes
+    steps = None if chip in GPU_CHIPS else read.get("grid_steps_per_token")
   tokens = batch * heads * length
   compute, memory = tokens * flops / CHIPS[chip]["flops"], tokens * nbytes / CHIPS[chip]["hbm"]
+  overhead = tokens * (steps or 0.0) * step_overhead_s
   return dict(method=method if design is None else f"favor_fused [{design['label']}]", chip=chip, seq_len=length,
-              passes=passes, flops_per_token=flops, bytes_per_token=nbytes, predicted_s=max(compute, memory),
-              bound="compute" if compute >= memory else "memory")
+              passes=passes, flops_per_token=flops, bytes_per_token=nbytes, grid_steps_per_token=steps,
+              predicted_s=max(compute, memory) + overhead, bound="compute" if compute >= memory else "memory")
+
+
+def step_overhead_margin(chip: str, design: dict, passes: str, length: int = 16384, speedup: float = 1.0,
+                         **shape) -> float | None:
+  """The fixed time per grid step (s) of ``design``'s TPU kernels at which its prediction at ``length`` falls to
+  ``speedup``× flash attention's (flash's own steps counted free: a bound in flash's favour); None where the
+  design's programs give no grid steps (a GPU, or an export from before they were read); negative where the
+  roofline alone is already slower."""
+  ours = predict("favor_fused", chip, length, passes=passes, design=design, **shape)
+  if not ours["grid_steps_per_token"]:
+    return None
+  flash = predict("flash", chip, length, passes=passes, **shape)["predicted_s"]
+  steps = shape["batch"] * shape["heads"] * length * ours["grid_steps_per_token"]
+  return (flash / speedup - ours["predicted_s"]) / steps
 
 
 def crossover(method: str, chip: str, passes: str = "fwd", design: dict | None = None, **shape) -> int | None:
@@ -193,7 +213,12 @@ def table(shape: dict = STUDY, results: pathlib.Path = RESULTS, exported: dict |
   cross = [dict(chip=chip, method=predict(method, chip, 1024, design=design, **shape)["method"], passes=passes,
                 crossover_len=crossover(method, chip, passes, design=design, **shape))
            for chip in CHIPS for method, design in methods[1:] for passes in ("fwd", "fwd_bwd")]
+  margin = lambda chip, d, passes, k: step_overhead_margin(chip, d, passes, speedup=k, **shape)
+  margins = [dict(chip=chip, method=predict("favor_fused", chip, 1024, design=d, **shape)["method"], passes=passes,
+                  seq_len=16384, **{f"step_overhead_s_at_{k}x": margin(chip, d, passes, k) for k in (3, 1)})
+             for chip in CHIPS if chip not in GPU_CHIPS for d in exported.values() for passes in ("fwd", "fwd_bwd")]
   return dict(label="PREDICTIONS (roofline of published peaks); measured_s: H200 bf16, 2026-11-30", shape=shape,
+              step_overhead_margins=[m for m in margins if m["step_overhead_s_at_1x"] is not None],
               chips=CHIPS, designs={k: dict(commit=d["commit"], shape=d["shape"], platform=d["platform"],
                                             read=_read(d)) for k, d in exported.items()}, rows=rows, crossovers=cross)
 
@@ -234,6 +259,14 @@ def markdown(t: dict) -> str:
     lines += [f"| {r['program']} | {r['passes']} | {r['kernels']} | {', '.join(r['operand_types'])} | "
               f"{r['kernel_bytes']:.0f} | {r['xla_bytes']:.0f} | {r['bytes']:.0f} | {r.get('kernel_flops', 0):.3g} | "
               f"{r.get('flops', 0):.3g} | {', '.join(r['large_arrays'])} |" for r in d.get("read", [])]
+  if t.get("step_overhead_margins"):
+    lines += ["", "Per-grid-step overhead (the roofline counts none): the fixed time per grid step of the fused TPU "
+              "kernels (their steps read from the exported programs, run one after another) at which the prediction "
+              "at L=16384 falls to 3× flash attention's speed, and to flash attention's time (flash's own grid steps "
+              "counted free).", "", "| chip | method | pass | µs per step for 3× flash | µs per step for 1× flash |",
+              "| --- | --- | --- | --- | --- |"]
+    lines += [f"| {m['chip']} | {m['method']} | {m['passes']} | {1e6 * m['step_overhead_s_at_3x']:.2f} | "
+              f"{1e6 * m['step_overhead_s_at_1x']:.2f} |" for m in t["step_overhead_margins"]]
   lines += ["", "| chip | method | pass | predicted crossover L (faster than flash from) |",
             "| --- | --- | --- | --- |"]
   for c in t["crossovers"]:

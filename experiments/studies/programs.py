@@ -172,7 +172,8 @@ def jaxpr_flops(jaxpr, platform: str = "tpu", in_kernel: bool = False) -> dict:
   A ``pallas_call``'s body counts once per grid step; a scan's body once per step; of a conditional, the branch
   with ``platform``'s kernels if one has them (``lax.platform_dependent``), else the branch with the most kernels
   (among equals the one of fewest operations: the fast path, as ``program_traffic`` takes it); a while loop's body
-  has no static trip count and is left out, its products reported in ``uncounted``.
+  has no static trip count and is left out, its products reported in ``uncounted`` (and its kernels' grid steps
+  not counted in ``steps``).
 
   Args:
     jaxpr: the program.
@@ -180,13 +181,14 @@ def jaxpr_flops(jaxpr, platform: str = "tpu", in_kernel: bool = False) -> dict:
     in_kernel: count every product as a kernel's (inside a ``pallas_call``).
 
   Returns:
-    dict(kernel, xla: FLOPs inside kernels and outside them; kernels: pallas calls; ops: equations; uncounted).
+    dict(kernel, xla: FLOPs inside kernels and outside them; kernels: pallas calls; ops: equations; uncounted;
+    steps: the grid steps the kernels run, each call's grid size times the scans around it).
   """
-  out = dict(kernel=0.0, xla=0.0, kernels=0, ops=0, uncounted=0.0)
+  out = dict(kernel=0.0, xla=0.0, kernels=0, ops=0, uncounted=0.0, steps=0)
 
   def add(part, times=1):
     for key in out:
-      out[key] += part[key] * (times if key in ("kernel", "xla", "uncounted") else 1)
+      out[key] += part[key] * (times if key in ("kernel", "xla", "uncounted", "steps") else 1)
 
   for eqn in jaxpr.eqns:
     out["ops"] += 1
@@ -199,7 +201,7 @@ def jaxpr_flops(jaxpr, platform: str = "tpu", in_kernel: bool = False) -> dict:
     elif name == "pallas_call":
       body = jaxpr_flops(eqn.params["jaxpr"], platform, True)
       out["kernels"] += 1
-      add(dict(body, kernels=body["kernels"], ops=body["ops"]), math.prod(eqn.params["grid_mapping"].grid))
+      add(dict(body, steps=1), math.prod(eqn.params["grid_mapping"].grid))  # a body holds no kernel of its own
     elif name == "cond":
       branches = [b.jaxpr for b in eqn.params["branches"]]
       ours = [any(e.primitive.name == "pallas_call" and _compiler(e) == platform for e in _eqns(b)) for b in branches]
@@ -238,7 +240,8 @@ def export_traffic(length: int, *, batch: int, heads: int, head_dim: int, num_fe
   Returns:
     {"fwd", "fwd_bwd"}: each dict(kernel_bytes_per_token, xla_bytes_per_token, bytes_per_token,
     kernel_flops_per_token, flops_per_token (the program's matrix products, ``jaxpr_flops``; all per token and
-    head), uncounted_flops (inside while loops), kernels, large_arrays (of at least B·L·H·M/2 elements)).
+    head), uncounted_flops (inside while loops), grid_steps_per_token (the kernels' grid steps, ``jaxpr_flops``),
+    kernels, large_arrays (of at least B·L·H·M/2 elements)).
   """
   shape = jax.ShapeDtypeStruct((batch, length, heads, head_dim), jnp.bfloat16)
   extra = dict(log_gate=jax.ShapeDtypeStruct((batch, length, heads), jnp.float32) if gated else None,
@@ -256,5 +259,6 @@ def export_traffic(length: int, *, batch: int, heads: int, head_dim: int, num_fe
     out[passes] = dict(kernel_bytes_per_token=t["kernel_bytes"] / tokens, xla_bytes_per_token=t["xla_bytes"] / tokens,
                        bytes_per_token=t["total_bytes"] / tokens, kernel_flops_per_token=f["kernel"] / tokens,
                        flops_per_token=(f["kernel"] + f["xla"]) / tokens, uncounted_flops=f["uncounted"],
+                       grid_steps_per_token=f["steps"] / tokens,
                        kernels=t["kernels"], large_arrays=t["large_arrays"])
   return out

@@ -14,6 +14,7 @@ import pytest
 
 from experiments.studies import cost_model, programs
 from favor_jax import core
+from favor_jax.core.fused import tpu as fused_tpu
 
 
 def _dot_flops(jaxpr) -> float:
@@ -76,6 +77,13 @@ def test_the_table_is_a_roofline_with_its_crossovers_and_the_h200_measurements(t
                                            **shape)["predicted_s"]
                         < cost_model.predict("flash", c["chip"], n, passes=c["passes"], **shape)["predicted_s"])
     assert faster(length) and faster(4 * length) and not faster(int(length / 1.1))
+  assert t["step_overhead_margins"] and {m["chip"] for m in t["step_overhead_margins"]} == {"tpu_v5e", "tpu_v5p"}
+  for m in t["step_overhead_margins"]:  # at the margin, the prediction with that overhead per step is flash's / k
+    flash = cost_model.predict("flash", m["chip"], 16384, passes=m["passes"], **shape)["predicted_s"]
+    for k in (3, 1):
+      at = cost_model.predict("favor_fused", m["chip"], 16384, passes=m["passes"], design=designs[m["method"]],
+                              step_overhead_s=m[f"step_overhead_s_at_{k}x"], **shape)["predicted_s"]
+      assert at == pytest.approx(flash / k)
 
 
 # --- the reader of exported programs ------------------------------------------------------------------------------
@@ -128,6 +136,10 @@ def test_the_exported_fused_kernels_traffic_is_their_operands_and_results():
     assert short[passes]["kernel_bytes_per_token"] == sum(k["bytes"] for k in kernels) / tokens
     assert short[passes]["bytes_per_token"] == pytest.approx(long[passes]["bytes_per_token"], rel=0.05)
     assert short[passes]["flops_per_token"] >= short[passes]["kernel_flops_per_token"] > 0
+    # grid steps (read from the jaxpr): each Mosaic call of the program (read from its StableHLO) walks every
+    # sequence-head row's L/C chunks once, C = 128 rows when compiled for TPU
+    rows_chunks = shape["batch"] * shape["heads"] * 512 // fused_tpu.chunk_rows(64, interpret=False)
+    assert short[passes]["grid_steps_per_token"] * tokens == len(kernels) * rows_chunks
   assert short["fwd_bwd"]["kernel_bytes_per_token"] > short["fwd"]["kernel_bytes_per_token"]
 
 
@@ -151,3 +163,6 @@ def test_jaxpr_flops_counts_a_kernel_body_per_grid_step_and_the_platforms_branch
   abstract = (jax.ShapeDtypeStruct((24, 16), jnp.float32), jax.ShapeDtypeStruct((16, 8), jnp.float32))
   counted = programs.jaxpr_flops(jax.make_jaxpr(program)(*abstract).jaxpr)
   assert counted["kernel"] == 3 * 2 * 8 * 16 * 8 and counted["xla"] == 2 * 24 * 8 * 4 and counted["kernels"] == 1
+  assert counted["steps"] == 3  # the kernel's grid
+  repeated = lambda x, y: jax.lax.scan(lambda c, _: (c, kernel(x, y)), None, length=4)[1]
+  assert programs.jaxpr_flops(jax.make_jaxpr(repeated)(*abstract).jaxpr)["steps"] == 4 * 3  # a scan's steps times
