@@ -190,6 +190,55 @@ def test_gradients_of_gates_segments_and_inputs_equal_the_explicit_form():
     np.testing.assert_allclose(a, b, atol=2e-4 * max(np.max(np.abs(b)), 1e-3), rtol=0, err_msg=f"d/d{what}")
 
 
+def _grids(jaxpr):
+  """The grid of every pallas_call in ``jaxpr`` (walked recursively)."""
+  found = []
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "pallas_call":
+      found.append(tuple(eqn.params["grid_mapping"].grid))
+    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+      found += _grids(sub)
+  return found
+
+
+def test_chunks_per_grid_step_are_the_largest_divisor_up_to_four():
+  assert [fused_tpu.step_chunks(n) for n in (1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 128)] == [1, 2, 3, 4, 1, 3, 1, 4, 3, 4, 4]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("length,steps", [(128, 2), (80, 5)])  # chunks of 16: 8 = 2 steps of 4, 5 = 5 steps of 1
+def test_a_grid_step_walks_its_chunks_in_turn_and_the_state_crosses_steps(length, steps):
+  """A grid step takes up to four chunks (a DMA block of several compute chunks) and walks them in order (the
+  ∂ℓk/∂v kernel in reverse), the state carried from chunk to chunk and from step to step: outputs and the
+  gradients in q, k, v and the gate (gates with a reset and exact zeros, segments with boundaries in a chunk,
+  on a chunk's edge and on a step's edge) equal the explicit gated form's; each kernel's grid is (N·H, steps)."""
+  q, k, v = test_gates._qkv(length=length)
+  g = test_gates._log_gate(length=length).at[0, 17, 1].set(-jnp.inf)
+  mask, proj = test_gates._mask(length=length), test_gates._proj()
+  ids = np.zeros((2, length), np.int32)
+  ids[:, 13:] += 1
+  ids[:, 64:] += 1  # the second step's first row at L=128
+  ids[1, 32:] += 1  # a chunk's edge
+  seg = jnp.asarray(ids)
+  call = lambda q, k, v, g: core.favor_attention(q, k, v, proj, causal=True, causal_method="pallas", chunk_size=16,
+                                                 key_mask=mask, log_gate=g, segment_ids=seg)
+  cot = jax.random.normal(jax.random.PRNGKey(11), v.shape)
+  bias = lambda g: test_gates.decay(g, ids, xp=jnp)
+  explicit_out = lambda q, k, v, g: test_gates.explicit("positive", q, k, v, proj, None, mask, bias(g), xp=jnp)[0]
+  loss = lambda f: lambda q, k, v, g: jnp.sum(f(q, k, v, g) * cot)
+  got, grads = jax.jit(lambda *a: (call(*a), jax.grad(loss(call), argnums=(0, 1, 2, 3))(*a)))(q, k, v, g)
+  want = explicit_out(q, k, v, g)
+  np.testing.assert_allclose(got, want, atol=1e-5 * np.max(np.abs(want)))
+  for what, a, b in zip("qkvg", grads, jax.grad(loss(explicit_out), argnums=(0, 1, 2, 3))(q, k, v, g)):
+    a, b = np.asarray(a), np.asarray(b)
+    assert np.all(np.isfinite(a)), what
+    np.testing.assert_allclose(a, b, atol=2e-4 * max(np.max(np.abs(b)), 1e-3), rtol=0, err_msg=f"d/d{what}")
+  mosaic = lambda q, k, v: jnp.sum(divide(*fused_tpu.causal(_features("positive", proj, None, q, k, mask), q, k, v,
+                                                             mask, chunk_size=16, interpret=True)) * cot)
+  grids = _grids(jax.make_jaxpr(jax.grad(mosaic, argnums=(0, 1, 2)))(q, k, v).jaxpr)
+  assert len(grids) == 3 and set(grids) == {(2 * 2, steps)}  # forward, ∂ℓq, ∂ℓk/∂v
+
+
 def _kernel_dots(jaxpr, inside=False):
   """The precision of every dot_general inside the pallas_calls of ``jaxpr`` (walked recursively)."""
   found = []

@@ -137,9 +137,13 @@ def test_the_exported_fused_kernels_traffic_is_their_operands_and_results():
     assert short[passes]["bytes_per_token"] == pytest.approx(long[passes]["bytes_per_token"], rel=0.05)
     assert short[passes]["flops_per_token"] >= short[passes]["kernel_flops_per_token"] > 0
     # grid steps (read from the jaxpr): each Mosaic call of the program (read from its StableHLO) walks every
-    # sequence-head row's L/C chunks once, C = 128 rows when compiled for TPU
-    rows_chunks = shape["batch"] * shape["heads"] * 512 // fused_tpu.chunk_rows(64, interpret=False)
-    assert short[passes]["grid_steps_per_token"] * tokens == len(kernels) * rows_chunks
+    # sequence-head row's L/C chunks once, C = 128 rows when compiled for TPU, S of them per step (L=512: 4
+    # chunks, one step; L=1024: 8, two steps of four)
+    c = fused_tpu.chunk_rows(64, interpret=False)
+    for n, read in ((512, short), (1024, long)):
+      steps = shape["batch"] * shape["heads"] * (n // c) // fused_tpu.step_chunks(n // c)
+      assert read[passes]["grid_steps_per_token"] * shape["batch"] * shape["heads"] * n == len(kernels) * steps
+      assert steps == shape["batch"] * shape["heads"] * n // 512  # four chunks of 128 rows per step
   assert short["fwd_bwd"]["kernel_bytes_per_token"] > short["fwd"]["kernel_bytes_per_token"]
 
 

@@ -10,8 +10,10 @@ B·ω and normaliser c one per (sequence, head) from the call's ρ, held constan
 (nothing of size L×F goes through HBM; the backward gives ∂q, ∂k and the projection's gradient per row, and
 FAVOR++'s normaliser's, which depends on ω); for any other exponential map (FAVOR#, Hedgehog, ELU+1, a record
 of your own) XLA computes the log features (the kernel's own ``log_features``) and the kernels read them.
-Three kernels, each over a grid (sequence·head "parallel", chunk "arbitrary") with its running state in VMEM
-scratch, so no per-chunk state goes to HBM:
+Three kernels, each over a grid (sequence·head "parallel", step "arbitrary") with its running state in VMEM
+scratch, so no per-chunk state goes to HBM; a grid step's blocks hold up to four chunks (:func:`step_chunks`:
+512 rows at the compiled chunk of 128), which it walks in turn (two-level chunking: fewer, larger DMA blocks,
+fewer steps' fixed cost, the same [C, C] products):
 
 - ``forward_body`` (chunks in order): the prefix state (μ [1, F], Sᵀ [Dv, F] and the denominator's own
   z [1, F], S_f = Σ_j e^{ℓk_jf + d_j − μ_f} v_j, z_f the same without v_j, d_j the gates' decay from key j to
@@ -39,7 +41,6 @@ Shape letters: see :mod:`favor_jax.core`; R = N·H rows, C rows per chunk, F fea
 
 from __future__ import annotations
 
-import functools
 import math
 
 import jax
@@ -51,7 +52,16 @@ from favor_jax.core import features as features_lib
 from favor_jax.core import kernels as kernels_lib
 from favor_jax.core.features import exponential_features, head_major
 from favor_jax.core.fused import rows as fused_rows
-from favor_jax.core.fused.tpu_bodies import NEG_INF, PER_ROW_MAPS, Config, dk_body, dq_body, finite_offset, forward_body
+from favor_jax.core.fused.tpu_bodies import (
+  NEG_INF,
+  PER_ROW_MAPS,
+  Config,
+  dk_body,
+  dq_body,
+  finite_offset,
+  forward_body,
+  stepped,
+)
 
 LANE, SUBLANE = 128, 8  # a TPU vector register's lanes (minor axis) and sublanes
 
@@ -83,34 +93,47 @@ def mosaic_precision(precision):
   return jax.lax.Precision.HIGHEST
 
 
+STEP_CHUNKS = 4  # at most this many chunks per grid step: DMA blocks of up to 4·C rows (512 when compiled)
+
+
+def step_chunks(n_chunks: int) -> int:
+  """S: the chunks one grid step walks in turn (its blocks hold S·C rows): the largest divisor of a row's chunk
+  count up to ``STEP_CHUNKS``. A grid step has a fixed cost; S of them per step divide the steps by S."""
+  return max(s for s in range(1, STEP_CHUNKS + 1) if n_chunks % s == 0)
+
+
 def _call(kernel, cfg, rows, f, e, ins, outs, reverse=False, d=None, groups=1):
-  """``kernel`` over the grid (R rows, chunks); ``ins``/``outs``: per array, its kind ("f" [C, F], "e"
-  [C, E], "1" [C, 1], "g" the gate [1, C], "k" one number per chunk [1, 1], "x" [C, D] rows of q or k, "p" the
-  projection [F, D] of the row's head (``groups``: 1 shared, H per head, R one per row), "n" the normaliser [1, F],
-  "b" one per row (an input, or an output accumulated over the row's chunks), "P" an accumulated [F, D] per row)
-  and, for outs, its dtype; scratch: a state (μ [1, F], Sᵀ [E, F], z [1, F]); E = Dv, unpadded (a block
-  as wide as its array)."""
+  """``kernel`` over the grid (R rows, steps of S chunks, :func:`step_chunks`); ``ins``/``outs``: per array,
+  its kind ("f" [C, F], "e" [C, E], "1" [C, 1], "g" the gate [1, C], "k" one number per chunk [1, 1], "x"
+  [C, D] rows of q or k, "p" the projection [F, D] of the row's head (``groups``: 1 shared, H per head, R one
+  per row), "n" the normaliser [1, F], "b" one per row (an input, or an output accumulated over the row's
+  chunks), "P" an accumulated [F, D] per row; the body sees one chunk of each, :func:`tpu_bodies.stepped`)
+  and, for outs, its dtype; scratch: a state (μ [1, F], Sᵀ [E, F], z [1, F]); E = Dv, unpadded (a block as
+  wide as its array)."""
   c, n_chunks = cfg.chunk, rows // cfg.chunk
-  chunk = (lambda i, j: (i, n_chunks - 1 - j, 0)) if reverse else (lambda i, j: (i, j, 0))
-  spec = {"f": pl.BlockSpec((None, c, f), chunk), "e": pl.BlockSpec((None, c, e), chunk),
-          "1": pl.BlockSpec((None, c, 1), chunk), "x": pl.BlockSpec((None, c, d), chunk),
+  s = step_chunks(n_chunks)
+  steps = n_chunks // s
+  block = (lambda i, j: (i, steps - 1 - j, 0)) if reverse else (lambda i, j: (i, j, 0))
+  spec = {"f": pl.BlockSpec((None, s * c, f), block), "e": pl.BlockSpec((None, s * c, e), block),
+          "1": pl.BlockSpec((None, s * c, 1), block), "x": pl.BlockSpec((None, s * c, d), block),
           "p": pl.BlockSpec((None, f, d), lambda i, j: (i % groups, 0, 0)),
           "n": pl.BlockSpec((1, f), lambda i, j: (0, 0)), "b": pl.BlockSpec((None, 1, f), lambda i, j: (i, 0, 0)),
           "P": pl.BlockSpec((None, f, d), lambda i, j: (i, 0, 0)),
-          "g": pl.BlockSpec((None, None, 1, c), lambda i, j: chunk(i, j) + (0,)),
-          "k": pl.BlockSpec((None, None, 1, 1), lambda i, j: chunk(i, j) + (0,))}
+          "g": pl.BlockSpec((None, None, s, c), lambda i, j: block(i, j) + (0,)),
+          "k": pl.BlockSpec((None, None, s, 1), lambda i, j: block(i, j) + (0,))}
   n = ins[0][1].shape[0]
   shape = {"f": (n, rows, f), "e": (n, rows, e), "1": (n, rows, 1), "x": (n, rows, d), "P": (n, f, d),
-           "b": (n, 1, f), "k": (n, n_chunks, 1, 1)}
+           "b": (n, 1, f), "k": (n, steps, s, 1)}
   params = dict(interpret=cfg.interpret) if cfg.interpret else dict(
       compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")))
+  kinds = [kind for kind, _ in ins + outs] + ["state"] * 3
   return pl.pallas_call(
-      functools.partial(kernel, cfg=cfg), grid=(n, n_chunks), in_specs=[spec[kind] for kind, _ in ins],
-      out_specs=[spec[kind] for kind, _ in outs],
+      stepped(kernel, kinds, s, reverse, cfg), grid=(n, steps),
+      in_specs=[spec[kind] for kind, _ in ins], out_specs=[spec[kind] for kind, _ in outs],
       out_shape=[jax.ShapeDtypeStruct(shape[kind], dtype) for kind, dtype in outs],
       scratch_shapes=[pltpu.VMEM((1, f), jnp.float32), pltpu.VMEM((e, f), jnp.float32),
                       pltpu.VMEM((1, f), jnp.float32)], **params,
-  )(*(x for _, x in ins))
+  )(*(x.reshape(n, steps, s, c) if kind == "g" else x for kind, x in ins))
 
 
 def _gate_rows(g, c):

@@ -95,9 +95,9 @@ def _decays(g_ref, c):
   return summed(l <= t), summed(l > t), total, jnp.exp(d), d
 
 
-def _start(*scratch):
-  """At a row's first chunk: the empty state (μ = −∞, S = 0, z = 0)."""
-  @pl.when(pl.program_id(1) == 0)
+def _start(first, *scratch):
+  """At a row's first chunk (``first``): the empty state (μ = −∞, S = 0, z = 0)."""
+  @pl.when(first)
   def _():
     mu, *rest = scratch
     mu[...] = jnp.full(mu.shape, NEG_INF, jnp.float32)
@@ -151,17 +151,18 @@ def chunk_terms(lq_ref, lk_ref, v_ref, refs, cfg):
   return (lq, lk, v_ref[...]) + _decays(g_ref, lk.shape[0]) + (jnp.max(lk, axis=0, keepdims=True),), ctx, refs
 
 
-def _features_grad(dl, xs, p, outs, cfg):
+def _features_grad(dl, xs, p, outs, cfg, first):
   """From ∂ℓ [C, F] of the log features of rows xs = s·x (s = d^{-1/4}, :func:`_log_features`), into ``outs``
   in order: ∂x [C, D] = s (∂ℓ p − (Σ_f ∂ℓ_f) xs); the projection's ∂p [F, D] += ∂ℓᵀ xs accumulated over the
-  row's chunks (resident: its block does not move along the chunk axis); a per-row normaliser's ∂fb [1, F]
-  += Σ_t ∂ℓ_t the same way (maps of ``PER_ROW_MAPS``); Σ_f ∂ℓ_f [C, 1] (gated: the gates' gradient)."""
+  row's chunks (resident: its block does not move along the chunk axis; zeroed at the row's ``first`` chunk); a
+  per-row normaliser's ∂fb [1, F] += Σ_t ∂ℓ_t the same way (maps of ``PER_ROW_MAPS``); Σ_f ∂ℓ_f [C, 1] (gated:
+  the gates' gradient)."""
   dx_ref, dp_ref, *rest = outs
   db_ref = rest.pop(0) if cfg.feature_map in PER_ROW_MAPS else None
   total = jnp.sum(dl, axis=1, keepdims=True)
   dx_ref[...] = (cfg.x_scale * (_dot(dl, p, "nn", cfg, state=True) - total * xs)).astype(dx_ref.dtype)
 
-  @pl.when(pl.program_id(1) == 0)
+  @pl.when(first)
   def _():
     dp_ref[...] = jnp.zeros(dp_ref.shape, jnp.float32)
     if db_ref is not None:
@@ -231,13 +232,13 @@ def _row_grad_terms(t, lq, lk, v, log_decay_t, ms, dnum, dden):
   return p, jnp.sum(v.astype(jnp.float32) * _row(dnum, t), axis=1, keepdims=True) + _row(dden, t)
 
 
-def forward_body(lq_ref, lk_ref, v_ref, *refs, cfg):
+def forward_body(lq_ref, lk_ref, v_ref, *refs, cfg, first):
   """num [C, Dv] and den [C, 1] (times e^{−m}), m [C, 1] (−∞ where no key is in reach) and the number of rows
   recomputed [1, 1]: a row whose denominator fell below e^{−SAFE_GAP} (a later key of its chunk raised the
   one-product scale above its own terms) is computed again alone at its exact scale (:func:`_exact_row`)."""
   (lq, lk, v, a, b, total, decay, log_decay, lam), _, refs = chunk_terms(lq_ref, lk_ref, v_ref, refs, cfg)
   num_ref, den_ref, m_ref, count_ref, mu_ref, st_ref, z_ref = refs
-  _start(mu_ref, st_ref, z_ref)
+  _start(first, mu_ref, st_ref, z_ref)
   read = mu_ref[...] + a
   m = jnp.max(lq + jnp.maximum(lam, read), axis=1, keepdims=True)
   ms = finite_offset(m)
@@ -271,13 +272,13 @@ def forward_body(lq_ref, lk_ref, v_ref, *refs, cfg):
   _absorb(mu_ref, st_ref, z_ref, lk + b, v, None, total, cfg)
 
 
-def dq_body(lq_ref, lk_ref, v_ref, *refs, cfg):
+def dq_body(lq_ref, lk_ref, v_ref, *refs, cfg, first):
   """∂ℓq [C, F] (or, feature map: ∂q, ∂p, Σ_f ∂ℓq) from ∂num [C, Dv], ∂den [C, 1] and the row scales
   m [C, 1] (+∞ for rows without terms); a row the forward recomputed, its own terms again alone."""
   (lq, lk, v, a, b, total, decay, log_decay, lam), ctx, refs = chunk_terms(lq_ref, lk_ref, v_ref, refs, cfg)
   m_ref, dnum_ref, dden_ref, *refs = refs
   outs, (mu_ref, st_ref, z_ref) = refs[:-3], refs[-3:]
-  _start(mu_ref, st_ref, z_ref)
+  _start(first, mu_ref, st_ref, z_ref)
   ms, dnum, dden = m_ref[...], dnum_ref[...], dden_ref[...]
   g = (_dot(dnum, v, "nt", cfg, state=True) + dden) * decay  # ∂/∂(row t's weight of key j); ∂num float32 as ∂den
   from_state = jnp.exp(lq + mu_ref[...] + a - ms) * (_dot(dnum, st_ref[...], "nn", cfg, state=True)
@@ -294,18 +295,18 @@ def dq_body(lq_ref, lk_ref, v_ref, *refs, cfg):
   if ctx is None:
     outs[0][...] = dlq
   else:
-    _features_grad(dlq, ctx[0], ctx[2], outs, cfg)
+    _features_grad(dlq, ctx[0], ctx[2], outs, cfg, first)
   _absorb(mu_ref, st_ref, z_ref, lk + b, v, None, total, cfg)
 
 
-def dk_body(lq_ref, lk_ref, v_ref, *refs, cfg):
+def dk_body(lq_ref, lk_ref, v_ref, *refs, cfg, first):
   """∂ℓk [C, F] (or, feature map: ∂k, ∂p, Σ_f ∂ℓk) and ∂v [C, Dv] (chunks in reverse), the suffix state
   (ν [1, F], Rᵀ [Dv, F] of ∂num, r [1, F] of ∂den) in scratch; a row the forward recomputed adds its terms
   alone."""
   (lq, lk, v, a, b, total, decay, log_decay, lam), ctx, refs = chunk_terms(lq_ref, lk_ref, v_ref, refs, cfg)
   m_ref, dnum_ref, dden_ref, *refs = refs
   outs, (nu_ref, rt_ref, r_ref) = refs[:-3], refs[-3:]
-  _start(nu_ref, rt_ref, r_ref)
+  _start(first, nu_ref, rt_ref, r_ref)
   ms, dnum, dden, rt = m_ref[...], dnum_ref[...], dden_ref[...], rt_ref[...]
   lost = _lost_in_chunk(lq, lam, ms)
   q_chunk, k_chunk = jnp.where(lost > 0, 0.0, jnp.exp(lq + lam - ms)), jnp.exp(lk - finite_offset(lam))
@@ -324,5 +325,34 @@ def dk_body(lq_ref, lk_ref, v_ref, *refs, cfg):
   if ctx is None:
     outs[0][...] = dlk
   else:
-    _features_grad(dlk, ctx[1], ctx[2], outs[:-1], cfg)
+    _features_grad(dlk, ctx[1], ctx[2], outs[:-1], cfg, first)
   _absorb(nu_ref, rt_ref, r_ref, lq - ms + a, dnum, dden, total, cfg)
+
+
+CHUNK_KINDS, STEP_KINDS = ("f", "e", "1", "x"), ("g", "k")  # blocks of rows; one entry per chunk (tpu._call)
+
+
+def stepped(body, kinds, chunks: int, reverse: bool, cfg: Config):
+  """``body`` over a grid step of ``chunks`` chunks, walked in turn (in reverse where ``reverse``) on views of
+  one chunk each: refs of ``kinds`` "f", "e", "1", "x" hold the step's chunks × C rows, "g" and "k" one row per
+  chunk; the others (per row, scratch) are whole. ``first``: the row's first chunk (the grid's first step, its
+  first chunk walked)."""
+  c = cfg.chunk
+  if chunks == 1:
+    return lambda *refs: body(*refs, cfg=cfg, first=pl.program_id(1) == 0)
+
+  def view(ref, kind, j):
+    if kind in CHUNK_KINDS:
+      return ref.at[pl.ds(pl.multiple_of(j * c, c), c)]
+    return ref.at[pl.ds(j, 1)] if kind in STEP_KINDS else ref
+
+  def run(*refs):
+    row_start = pl.program_id(1) == 0  # read outside the loop (interpreters substitute the grid's ids there)
+
+    def one(i, carry):
+      j = chunks - 1 - i if reverse else i
+      body(*(view(ref, kind, j) for ref, kind in zip(refs, kinds)), cfg=cfg, first=row_start & (i == 0))
+      return carry
+    jax.lax.fori_loop(0, chunks, one, 0)
+
+  return run
