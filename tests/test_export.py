@@ -203,24 +203,25 @@ def _mosaic_traffic(text):
 
 
 @pytest.mark.slow  # two exports at L=16384 per case: seconds each
-@pytest.mark.parametrize("what", ["plain", "gated", "packed", "favor++"])
+@pytest.mark.parametrize("what", ["plain", "gated", "packed", "favor++", "favor#"])
 def test_mosaic_calls_move_under_a_kilobyte_per_token_and_head_forward(what):
   """Issue 51's acceptance, exported for TPU (bfloat16 q, k, v, kernel "positive", "pallas", B=2, L=16384, H=8,
   D=64, M=256): no array with as many elements as the features (B·L·H·M/2) in the forward program; the Mosaic
   calls move ≤ 1 KiB per token and head forward and ≤ 4 KiB in the gradient program. Measured 2026-12-05:
   652 / 2733 B plain, 656 / 2753 B gated and packed (before issue 51: 3076 / 11788 B, and the forward held
   [16, 16384, 256] float32 features). FAVOR++ (its ρ given, as causal calls take it) computes its features on
-  chip too, from a projection and a normaliser per (sequence, head): 656 / 2744 B."""
+  chip too, from a projection and a normaliser per (sequence, head): 656 / 2744 B; FAVOR# (its statistic given)
+  from those and a scale of q and of k per (sequence, head): 656 / 2744 B (measured 2026-12-06)."""
   b, length, h, d, m = (ACCEPT[x] for x in "BLHDM")
   qkv = jax.ShapeDtypeStruct((b, length, h, d), jnp.bfloat16)
   proj = jax.ShapeDtypeStruct((m, d), jnp.float32)
   gate = jax.ShapeDtypeStruct((b, length, h), jnp.float32)
   ids = jax.ShapeDtypeStruct((b, length), jnp.int32)
-  rho = jax.ShapeDtypeStruct((b, h), jnp.float32)
+  rho = jax.ShapeDtypeStruct((b, h) + ((d + 1,) if what == "favor#" else ()), jnp.float32)
 
   def forward(q, k, v, p, g, s, r):
     kw = {"plain": {}, "gated": {"log_gate": g}, "packed": {"segment_ids": s},
-          "favor++": {"kernel": "optimal_positive", "rho": r}}[what]
+          "favor++": {"kernel": "optimal_positive", "rho": r}, "favor#": {"kernel": "saderf", "rho": r}}[what]
     return core.favor_attention(q, k, v, p, causal=True, causal_method="pallas", chunk_size=128, **kw)
 
   gradient = jax.grad(lambda *x: jnp.sum(forward(*x).astype(jnp.float32)), argnums=(0, 1, 2, 3))

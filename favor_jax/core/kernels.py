@@ -301,7 +301,7 @@ def _saderf(query: Float[Array, "... Lq H D"], key: Float[Array, "... Lk H D"],
 
 
 saderf = Kernel("saderf", _saderf, lambda m, d: m, estimates_softmax=True, statistic="rho",
-                compute_statistic=saderf_statistic)
+                compute_statistic=saderf_statistic, fused_map="saderf")
 
 KERNELS = {k.name: k for k in (positive, hyperbolic, trigonometric, optimal_positive, relu, elu_plus_one,
                                taylor, hedgehog, saderf)}

@@ -65,8 +65,9 @@ class Kernel:
     fused_map: the features as the fused TPU programs compute them on chip from q, k and the projection
       (``"positive"``: log φ = ω·x − ‖x‖²/2 − log √M; ``"hyperbolic"``: the same for [ω; −ω], − log √(2M);
       ``"optimal_positive"``: FAVOR++'s B·ω·x − ‖x‖²/2 + c from the call's ρ, ``kernels.oprf_affine``;
-      x = q·d^{-1/4}), or None: the programs read the features ``log_features`` gives (computed by XLA).
-      Set it only where ``log_features`` is exactly that formula; a record of your own keeps None.
+      ``"saderf"``: FAVOR#, the same with x = Ψq·d^{-1/4} for queries and Ψ⁻¹k·d^{-1/4} for keys, Ψ and ρ from
+      the call's statistic; x = q·d^{-1/4}), or None: the programs read the features ``log_features`` gives
+      (computed by XLA). Set it only where ``log_features`` is exactly that formula; a record of your own keeps None.
   """
   name: str
   log_features: Callable

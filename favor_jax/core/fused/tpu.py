@@ -4,12 +4,13 @@ for a TPU (and, interpreted, on a CPU: see :mod:`favor_jax.core.causal`).
 The same estimator as :func:`favor_jax.core.causal_xla.chunked` and the Triton kernels
 (:mod:`favor_jax.core.fused.gpu`): features in log domain (φ = exp(log)), every stabiliser from keys a row may
 see, the row scales constants under ``grad``. Where the kernel record says how (``Kernel.fused_map``:
-positive, hyperbolic, FAVOR++; :func:`feature_map`), the kernels read q, k, v in their own dtype and the
+positive, hyperbolic, FAVOR++, FAVOR#; :func:`feature_map`), the kernels read q, k, v in their own dtype and the
 projection and compute the log features ω·x − ‖x‖²/2 − log √M (FAVOR++: B·ω·x − ‖x‖²/2 + c, its projection
-B·ω and normaliser c one per (sequence, head) from the call's ρ, held constant) in VMEM, forward and backward
+B·ω and normaliser c one per (sequence, head) from the call's ρ, held constant; FAVOR#: the same of Ψq and
+Ψ⁻¹k, the scales Ψ per (sequence, head) from its statistic) in VMEM, forward and backward
 (nothing of size L×F goes through HBM; the backward gives ∂q, ∂k and the projection's gradient per row, and
-FAVOR++'s normaliser's, which depends on ω); for any other exponential map (FAVOR#, Hedgehog, ELU+1, a record
-of your own) XLA computes the log features (the kernel's own ``log_features``) and the kernels read them.
+FAVOR++'s normaliser's, which depends on ω); for any other exponential map (Hedgehog, ELU+1, a record of
+your own) XLA computes the log features (the kernel's own ``log_features``) and the kernels read them.
 Three kernels, each over a grid (sequence·head "parallel", step "arbitrary") with its running state in VMEM
 scratch, so no per-chunk state goes to HBM; a grid step's blocks hold up to four chunks (:func:`step_chunks`:
 512 rows at the compiled chunk of 128), which it walks in turn (two-level chunking: fewer, larger DMA blocks,
@@ -50,11 +51,13 @@ from jax.experimental.pallas import tpu as pltpu
 
 from favor_jax.core import features as features_lib
 from favor_jax.core import kernels as kernels_lib
+from favor_jax.core import statistics
 from favor_jax.core.features import exponential_features, head_major
 from favor_jax.core.fused import rows as fused_rows
 from favor_jax.core.fused.tpu_bodies import (
   NEG_INF,
   PER_ROW_MAPS,
+  SCALED_MAPS,
   Config,
   dk_body,
   dq_body,
@@ -107,9 +110,9 @@ def _call(kernel, cfg, rows, f, e, ins, outs, reverse=False, d=None, groups=1):
   its kind ("f" [C, F], "e" [C, E], "1" [C, 1], "g" the gate [1, C], "k" one number per chunk [1, 1], "x"
   [C, D] rows of q or k, "p" the projection [F, D] of the row's head (``groups``: 1 shared, H per head, R one
   per row), "n" the normaliser [1, F], "b" one per row (an input, or an output accumulated over the row's
-  chunks), "P" an accumulated [F, D] per row; the body sees one chunk of each, :func:`tpu_bodies.stepped`)
-  and, for outs, its dtype; scratch: a state (μ [1, F], Sᵀ [E, F], z [1, F]); E = Dv, unpadded (a block as
-  wide as its array)."""
+  chunks), "P" an accumulated [F, D] per row, "u" a row's scale of q or k [1, D]; the body sees one chunk of
+  each, :func:`tpu_bodies.stepped`) and, for outs, its dtype; scratch: a state (μ [1, F], Sᵀ [E, F], z [1, F]);
+  E = Dv, unpadded (a block as wide as its array)."""
   c, n_chunks = cfg.chunk, rows // cfg.chunk
   s = step_chunks(n_chunks)
   steps = n_chunks // s
@@ -118,6 +121,7 @@ def _call(kernel, cfg, rows, f, e, ins, outs, reverse=False, d=None, groups=1):
           "1": pl.BlockSpec((None, s * c, 1), block), "x": pl.BlockSpec((None, s * c, d), block),
           "p": pl.BlockSpec((None, f, d), lambda i, j: (i % groups, 0, 0)),
           "n": pl.BlockSpec((1, f), lambda i, j: (0, 0)), "b": pl.BlockSpec((None, 1, f), lambda i, j: (i, 0, 0)),
+          "u": pl.BlockSpec((None, 1, d), lambda i, j: (i, 0, 0)),
           "P": pl.BlockSpec((None, f, d), lambda i, j: (i, 0, 0)),
           "g": pl.BlockSpec((None, None, s, c), lambda i, j: block(i, j) + (0,)),
           "k": pl.BlockSpec((None, None, s, 1), lambda i, j: block(i, j) + (0,))}
@@ -157,7 +161,8 @@ _FORWARD_OUTS = [("e", jnp.float32), ("1", jnp.float32), ("1", jnp.float32), ("k
 def feature_map(features) -> str | None:
   """The on-chip feature map for ``features`` (a :class:`~favor_jax.core.features.Features`), chosen once from
   the kernel record: its ``fused_map`` ("positive": φ = exp(ωx − ‖x‖²/2)/√M, "hyperbolic": the same with
-  [ω; −ω], /√(2M); "optimal_positive": FAVOR++ from the call's ρ) where the call gives a projection, and a
+  [ω; −ω], /√(2M); "optimal_positive": FAVOR++ from the call's ρ; "saderf": FAVOR#, FAVOR++ of Ψq and Ψ⁻¹k
+  from the call's statistic) where the call gives a projection, and a
   statistic exactly where the map takes one; None (a record without one, a kernel of your own, a plain
   callable, given features): the features from XLA, read by the kernels."""
   kern = getattr(features, "kernel", None)
@@ -196,16 +201,23 @@ def program(cfg: Config) -> fused_rows.Program:
   (recomputed from q, k and the projection for the backward). Kept between forward and backward: the inputs
   and the row scales."""
   def projection_rows(features, params, q, k):
-    """w -> (p, fb) of :func:`_projection_rows` for this call (its map, padded width and statistic), and F."""
+    """w -> (p, fb) of :func:`_projection_rows` for this call (its map, padded width and statistic), F, and the
+    rows' scales of q and k as inputs (maps of ``SCALED_MAPS``; FAVOR#: d^{-1/4}·Ψ and d^{-1/4}/Ψ, Ψ from the
+    statistic [N, H, D+1] = (log Ψ, ρ), held constant as in ``kernels.saderf``) or none."""
     f_pad = -(-jax.eval_shape(lambda: head_major(features, q, k)[0].log).shape[-1] // LANE) * LANE
-    return lambda w: _projection_rows(w, cfg.feature_map, f_pad, params[1], q.shape[-1]), f_pad
+    statistic, scales = params[1], []
+    if cfg.feature_map in SCALED_MAPS:
+      log_psi, statistic = statistics.saderf_parts(jax.lax.stop_gradient(params[1]), q)
+      psi = jnp.exp(log_psi).reshape((-1, 1, q.shape[-1]))  # rows (sequence, head), as the projection's
+      scales = [("u", cfg.x_scale * psi), ("u", cfg.x_scale / psi)]
+    return lambda w: _projection_rows(w, cfg.feature_map, f_pad, statistic, q.shape[-1]), f_pad, scales
 
-  def on_chip(rows, q, k, mask, p, fb):
+  def on_chip(rows, q, k, mask, p, fb, scales):
     n, length, h = q.shape[:3]
     key_bias = jnp.where(jnp.broadcast_to(mask[:, :, None], (n, length, h)), 0.0, NEG_INF)
     x_ins = [("x", rows.of(q, 0.0)), ("x", rows.of(k, 0.0))]
     normaliser = "b" if cfg.feature_map in PER_ROW_MAPS else "n"
-    return x_ins, [("p", p), (normaliser, fb), ("1", rows.of(key_bias, NEG_INF)[..., None])]
+    return x_ins, [("p", p), (normaliser, fb), ("1", rows.of(key_bias, NEG_INF)[..., None])] + scales
 
   def ins_of(first, v_rows, extra, g):
     gate = [("g", _gate_rows(g, cfg.chunk))] if cfg.gated else []
@@ -215,9 +227,9 @@ def program(cfg: Config) -> fused_rows.Program:
     rows = fused_rows.prepare(features, q, k, v, mask, gate, chunk=cfg.chunk, lane=LANE)
     vv = rows.value_rows(v)
     if cfg.feature_map:
-      of_projection, f = projection_rows(features, features.params, q, k)
+      of_projection, f, scales = projection_rows(features, features.params, q, k)
       p, fb = of_projection(features.params[0])
-      x_ins, extra = on_chip(rows, q, k, mask, p, fb)
+      x_ins, extra = on_chip(rows, q, k, mask, p, fb, scales)
       num, den, m, count = _call(forward_body, cfg, vv.shape[1], f, vv.shape[-1],
                                  ins_of(x_ins, vv, extra, rows.gate), _FORWARD_OUTS, d=q.shape[-1], groups=p.shape[0])
     else:
@@ -257,9 +269,9 @@ def program(cfg: Config) -> fused_rows.Program:
     return dv, dg
 
   def on_chip_backward(features, params, rows, q, k, v, gate, mask, vv, ms, dy):
-    of_projection, f = projection_rows(features, params, q, k)
+    of_projection, f, scales = projection_rows(features, params, q, k)
     (p, fb), p_vjp = jax.vjp(of_projection, params[0])  # the kernels' projection rows, and their map back to ω
-    x_ins, extra = on_chip(rows, q, k, mask, p, fb)
+    x_ins, extra = on_chip(rows, q, k, mask, p, fb, scales)
     length, e, d, groups = vv.shape[1], vv.shape[-1], q.shape[-1], p.shape[0]
     ins = ins_of(x_ins, vv, extra, rows.gate) + [("1", ms)] + dy
     per_row = cfg.feature_map in PER_ROW_MAPS  # the normaliser's gradient too (it depends on the projection)

@@ -15,7 +15,8 @@ from favor_jax.core.fused import rows as fused_rows
 from favor_jax.core.state import SAFE_GAP
 
 NEG_INF = -jnp.inf
-PER_ROW_MAPS = ("optimal_positive",)  # on-chip maps whose projection and normaliser are per row (from a statistic)
+PER_ROW_MAPS = ("optimal_positive", "saderf")  # on-chip maps whose projection and normaliser are per row (statistic)
+SCALED_MAPS = ("saderf",)  # on-chip maps that scale q and k by a vector per row first (FAVOR#: Ψ and Ψ⁻¹)
 
 
 class Config(NamedTuple):
@@ -136,31 +137,38 @@ def _log_features(xs, p, fb, cfg):
 def chunk_terms(lq_ref, lk_ref, v_ref, refs, cfg):
   """One chunk's log features (read, or computed from q, k and the projection where ``cfg.feature_map``), its
   values, the gates' decays (:func:`_decays`) and λ [1, F], and (feature map) the context of the features'
-  backward (q, k in float32 times d^{-1/4}, the projection); ``refs`` starts with the projection's, the
-  normaliser's and the key bias's refs (feature map), then the gate's ref if gated."""
+  backward (q, k in float32 times their scales, the projection, the scales); ``refs`` starts with the
+  projection's, the normaliser's and the key bias's refs (feature map), then the row's scales of q and of k
+  [1, D] (maps of ``SCALED_MAPS``: d^{-1/4}·Ψ and d^{-1/4}/Ψ; otherwise d^{-1/4} for both), then the gate's ref
+  if gated."""
   ctx = None
   if cfg.feature_map:
     p_ref, fb_ref, kb_ref, *refs = refs
+    uq = uk = cfg.x_scale
+    if cfg.feature_map in SCALED_MAPS:
+      uq_ref, uk_ref, *refs = refs
+      uq, uk = uq_ref[...], uk_ref[...]
     p, fb = p_ref[...], fb_ref[...]
-    qs, ks = (x[...].astype(jnp.float32) * cfg.x_scale for x in (lq_ref, lk_ref))
+    qs, ks = lq_ref[...].astype(jnp.float32) * uq, lk_ref[...].astype(jnp.float32) * uk
     lq, lk = _log_features(qs, p, fb, cfg), _log_features(ks, p, fb, cfg) + kb_ref[...]
-    ctx = (qs, ks, p)
+    ctx = (qs, ks, p, uq, uk)
   else:
     lq, lk = lq_ref[...], lk_ref[...]
   g_ref, refs = (refs[0], refs[1:]) if cfg.gated else (None, refs)
   return (lq, lk, v_ref[...]) + _decays(g_ref, lk.shape[0]) + (jnp.max(lk, axis=0, keepdims=True),), ctx, refs
 
 
-def _features_grad(dl, xs, p, outs, cfg, first):
-  """From ∂ℓ [C, F] of the log features of rows xs = s·x (s = d^{-1/4}, :func:`_log_features`), into ``outs``
-  in order: ∂x [C, D] = s (∂ℓ p − (Σ_f ∂ℓ_f) xs); the projection's ∂p [F, D] += ∂ℓᵀ xs accumulated over the
+def _features_grad(dl, xs, u, p, outs, cfg, first):
+  """From ∂ℓ [C, F] of the log features of rows xs = u·x (u: d^{-1/4}, or the row's scale [1, D] of
+  :func:`chunk_terms`; :func:`_log_features`), into ``outs`` in order: ∂x [C, D] = u (∂ℓ p − (Σ_f ∂ℓ_f) xs); the
+  projection's ∂p [F, D] += ∂ℓᵀ xs accumulated over the
   row's chunks (resident: its block does not move along the chunk axis; zeroed at the row's ``first`` chunk); a
   per-row normaliser's ∂fb [1, F] += Σ_t ∂ℓ_t the same way (maps of ``PER_ROW_MAPS``); Σ_f ∂ℓ_f [C, 1] (gated:
   the gates' gradient)."""
   dx_ref, dp_ref, *rest = outs
   db_ref = rest.pop(0) if cfg.feature_map in PER_ROW_MAPS else None
   total = jnp.sum(dl, axis=1, keepdims=True)
-  dx_ref[...] = (cfg.x_scale * (_dot(dl, p, "nn", cfg, state=True) - total * xs)).astype(dx_ref.dtype)
+  dx_ref[...] = (u * (_dot(dl, p, "nn", cfg, state=True) - total * xs)).astype(dx_ref.dtype)
 
   @pl.when(first)
   def _():
@@ -295,7 +303,7 @@ def dq_body(lq_ref, lk_ref, v_ref, *refs, cfg, first):
   if ctx is None:
     outs[0][...] = dlq
   else:
-    _features_grad(dlq, ctx[0], ctx[2], outs, cfg, first)
+    _features_grad(dlq, ctx[0], ctx[3], ctx[2], outs, cfg, first)
   _absorb(mu_ref, st_ref, z_ref, lk + b, v, None, total, cfg)
 
 
@@ -325,7 +333,7 @@ def dk_body(lq_ref, lk_ref, v_ref, *refs, cfg, first):
   if ctx is None:
     outs[0][...] = dlk
   else:
-    _features_grad(dlk, ctx[1], ctx[2], outs[:-1], cfg, first)
+    _features_grad(dlk, ctx[1], ctx[4], ctx[2], outs[:-1], cfg, first)
   _absorb(nu_ref, rt_ref, r_ref, lq - ms + a, dnum, dden, total, cfg)
 
 
