@@ -13,9 +13,13 @@ every stabiliser taken from keys a row may see:
 - backward: ``suffix_kernel`` (chunks in reverse) sums e^{ℓq_t − m_t} [dnum_t, dden_t] over later chunks,
   stabilised by its own running maximum ν; ``grads_kernel`` (per chunk) gives ∂ℓq, ∂ℓk, ∂v from the
   prefix and suffix states and the chunk's own products. The scales are constants under ``grad``, as in
-  the XLA pass. Features are computed outside the kernels (by the kernel's own ``log_features``, in
-  XLA), so every kernel whose features are pure exponentials runs here; the backward recomputes them from
-  q and k (the custom VJP keeps the inputs, the row scales and the chunk states, not the features).
+  the XLA pass. For the maps of one projection for every row (``Kernel.fused_map`` positive and
+  hyperbolic, ``fused.rows.feature_map``) the forward kernels compute the log features from the rows of q
+  and k in their dtype, the projection and the normaliser where they read them (``gpu_bodies.LogRows``:
+  nothing of size L×F in the forward program); otherwise, and in the backward, XLA computes them (the
+  kernel's own ``log_features``), so every kernel whose features are pure exponentials runs here; the
+  backward recomputes them from q and k (the custom VJP keeps the inputs and the row scales, not the
+  features).
 
 Forget gates (``gate``, log f ≤ 0, −∞ a reset; packed segments arrive as −∞ gates): before key t joins,
 the state decays by e^{g_t}, as in the XLA pass. The states carry the decay in their log-scale μ (each chunk's
@@ -36,11 +40,13 @@ see :mod:`favor_jax.core`; here R = N·H rows of (sequence, head), c chunks, C r
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
+from jaxtyping import Array
 
 from favor_jax.core import features as features_lib
 from favor_jax.core import inputs
@@ -93,14 +99,32 @@ def _state_specs(n, bf, e):
   return [vec, _spec((None, n, bf, e), lambda i, j: (i, 0, j, 0)), vec]
 
 
-def _prefix_states(lk, v, gate_rows, blocks):
-  r, length, f = lk.shape
+class _OnChip(NamedTuple):
+  """The inputs of the forward kernels that compute the features (``Blocks.feature_map``): the projection rows
+  p [G, F, D] (G = 1 shared, H per head), the log-normaliser fb [1, F], and the biases [R, L] of the rows of q
+  (−∞: padding) and of k (−∞: masked keys and padding)."""
+  p: Array
+  fb: Array
+  q_bias: Array
+  k_bias: Array
+
+
+def _prefix_states(lk, v, gate_rows, blocks, chip=None):
+  """The prefix states from the log features lk [R, L, F], or (``chip``) from the rows of k [R, L, D]."""
+  r, length = lk.shape[:2]
+  f = lk.shape[-1] if chip is None else chip.p.shape[1]
   e, bf, nc = v.shape[-1], blocks.block_f, length // blocks.chunk
   sp = _seq_specs(length, e)
   gated = () if gate_rows is None else (gate_rows[1], gate_rows[2])  # b, e
-  return _call(kern.states_kernel, (r, f // bf), [sp["feat"](bf), sp["val"]] + [sp["row"]] * len(gated),
+  ins, args = [sp["feat"](bf), sp["val"]], [lk, v]
+  if chip is not None:
+    d, groups = lk.shape[-1], chip.p.shape[0]
+    ins = [_spec((None, length, d), lambda i, j: (i, 0, 0)), sp["val"],
+           _spec((None, bf, d), lambda i, j: (i % groups, j, 0)), _spec((None, bf), lambda i, j: (0, j)), sp["row"]]
+    args = [lk, v, chip.p, chip.fb, chip.k_bias]
+  return _call(kern.states_kernel, (r, f // bf), ins + [sp["row"]] * len(gated),
                _state_specs(nc + 1, bf, e), _f32((r, nc + 1, f), (r, nc + 1, f, e), (r, nc + 1, f)),
-               blocks, n_chunks=nc)(lk, v, *gated)
+               blocks, n_chunks=nc, scale=None if chip is None else blocks.x_scale)(*args, *gated)
 
 
 def _chunk_specs(c_rows, f, e):
@@ -119,16 +143,27 @@ def _gate_rows(g, chunk):
   return g, b.reshape(g.shape), to_end(gc, axis=2).reshape(g.shape)
 
 
-def _forward(lq, lk, v, gate_rows, blocks):
-  r, length, f = lq.shape
+def _forward(lq, lk, v, gate_rows, blocks, chip=None):
+  """The forward from the log features lq, lk [R, L, F], or (``chip``) from the rows of q and k [R, L, D]."""
+  r, length = lq.shape[:2]
+  f = lq.shape[-1] if chip is None else chip.p.shape[1]
   e, nc = v.shape[-1], length // blocks.chunk
-  mu, s, z = _prefix_states(lk, v, gate_rows, blocks)
+  mu, s, z = _prefix_states(lk, v, gate_rows, blocks, chip)
   sp = _chunk_specs(blocks.chunk, f, e)
   gated = () if gate_rows is None else gate_rows[:2]  # g, b
+  ins, args = [sp["feat"], sp["feat"]], [lq, lk]
+  if chip is not None:
+    d, groups = lq.shape[-1], chip.p.shape[0]
+    ins = [_spec((None, blocks.chunk, d), lambda i, c: (i, c, 0))] * 2
+  extra, more = [], []
+  if chip is not None:
+    extra = [_spec((None, f, d), lambda i, c: (i % groups, 0, 0)), _spec((None, f), lambda i, c: (0, 0)),
+             sp["row"], sp["row"]]
+    more = [chip.p, chip.fb, chip.q_bias, chip.k_bias]
   num, den, m = _call(
-      kern.output_kernel, (r, nc), [sp["feat"], sp["feat"], sp["val"], sp["vec"], sp["mat"], sp["vec"]]
+      kern.output_kernel, (r, nc), ins + [sp["val"], sp["vec"], sp["mat"], sp["vec"]] + extra
       + [sp["row"]] * len(gated), [sp["val"], sp["row"], sp["row"]], _f32((r, length, e), (r, length), (r, length)),
-      blocks)(lq, lk, v, mu, s, z, *gated)
+      blocks, scale=None if chip is None else blocks.x_scale)(*args, v, mu, s, z, *more, *gated)
   return (num, den, m), (mu, s, z)
 
 
@@ -161,6 +196,14 @@ class _Rows:
   def value_rows(self, v):
     return self.of(v, 0.0, self.ep)
 
+  def on_chip(self, q, k, name):
+    """(q rows, k rows [R, L, D] in their dtype, the :class:`_OnChip` inputs) of the map ``name``."""
+    p, fb = fused_rows.projection_rows(self.features.params[0], name, self.fp)
+    live = jnp.zeros((self.n, self.length, self.h), jnp.float32)
+    keys = jnp.where(jnp.broadcast_to(self.mask[:, :, None], live.shape), 0.0, NEG_INF)
+    d = q.shape[-1]
+    return self.of(q, 0.0, d), self.of(k, 0.0, d), _OnChip(p, fb, self.of(live, NEG_INF), self.of(keys, NEG_INF))
+
   def gate_rows(self, gate):
     return self.of(gate.astype(jnp.float32), 0.0)
 
@@ -176,7 +219,11 @@ def program(blocks: Blocks) -> fused_rows.Program:
   def forward(features, q, k, v, gate, mask):
     rows = _Rows(features, q, v, mask, gate, blocks)
     gate_rows = None if rows.gate is None else _gate_rows(rows.gate, blocks.chunk)
-    (num, den, m), _ = _forward(*rows.log_rows(q, k), rows.value_rows(v), gate_rows, blocks)
+    if blocks.feature_map:  # the forward kernels compute the features (the backward reads XLA's)
+      q_rows, k_rows, chip = rows.on_chip(q, k, blocks.feature_map)
+      (num, den, m), _ = _forward(q_rows, k_rows, rows.value_rows(v), gate_rows, blocks, chip)
+    else:
+      (num, den, m), _ = _forward(*rows.log_rows(q, k), rows.value_rows(v), gate_rows, blocks)
     return (rows.back(num[..., :v.shape[-1]]), rows.back(den),
             rows.back(jnp.where(rows.seen, jax.lax.stop_gradient(m), NEG_INF)))
 
@@ -273,7 +320,9 @@ def call_blocks(blocks: Blocks, q, k, v, gate, precision, features=None) -> Bloc
   precision = _precision(precision)
   if features is not None:
     f = jax.eval_shape(lambda: head_major(features, q, k)[0].log).shape[-1]
-    blocks = blocks._replace(block_f=min(blocks.block_f, _pow2(f)))
+    name = fused_rows.feature_map(features)  # maps of one projection for every row (per-row ones: from XLA)
+    blocks = blocks._replace(block_f=min(blocks.block_f, _pow2(f)), x_scale=q.shape[-1] ** -0.25,
+                             feature_map=None if name in fused_rows.PER_ROW_MAPS else name)
   low = jnp.result_type(q, k, v) == jnp.bfloat16 and precision in (None, jax.lax.Precision.DEFAULT)
   return blocks._replace(operands="bfloat16" if low else "float32", gated=gate is not None, precision=precision)
 

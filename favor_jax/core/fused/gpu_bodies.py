@@ -29,7 +29,8 @@ class Blocks(NamedTuple):
 
   ``operands``: "bfloat16" where every input is bfloat16 and ``precision`` asks for no more (products of
   features take it, see ``dot``); ``gated``: the kernels take forget gates; ``precision``: None (the
-  backend's default) or a ``jax.lax.Precision`` for every product (see ``dot``).
+  backend's default) or a ``jax.lax.Precision`` for every product (see ``dot``); ``feature_map``: the map
+  the forward kernels compute from the rows of q and k (:class:`LogRows`), None: they read XLA's features.
   """
   chunk: int
   block_f: int
@@ -38,6 +39,8 @@ class Blocks(NamedTuple):
   operands: str = "float32"
   gated: bool = False
   precision: Any = None
+  feature_map: str | None = None  # the forward kernels compute the features from q, k (``fused.rows.feature_map``)
+  x_scale: float = 1.0  # d^{-1/4}, for those features
 
 
 def safe(x):
@@ -57,6 +60,35 @@ def dot(a, b, blocks, trans_a=False, trans_b=False, state=False):
     return plgpu.dot(a.astype(jnp.float32), b.astype(jnp.float32), trans_a, trans_b, precision=blocks.precision)
   dtype = jnp.dtype(blocks.operands)
   return plgpu.dot(a.astype(dtype), b.astype(dtype), trans_a, trans_b)
+
+
+class LogRows:
+  """Log features computed from rows of q or k where they are read, indexed as the features XLA computes
+  ([rows, features]): u·x[rows]·p[features]ᵀ − ‖u·x[rows]‖²/2 + fb[features] + bias[rows], x the rows [L, D] in
+  their dtype, p the projection rows [F, D], fb the log-normaliser [F] (−∞: padded features), bias [L] (−∞:
+  masked keys and padded positions), u = d^{-1/4}; products in float32 (``dot``'s state products)."""
+
+  def __init__(self, x_ref, p_ref, fb_ref, bias_ref, scale, blocks):
+    self.refs, self.scale, self.blocks = (x_ref, p_ref, fb_ref, bias_ref), scale, blocks
+    self.shape = (x_ref.shape[0], p_ref.shape[0])
+
+  def __getitem__(self, index):
+    rows, features = index if isinstance(index, tuple) else (index, slice(None))
+    x_ref, p_ref, fb_ref, bias_ref = self.refs
+    x = x_ref[rows, :].astype(jnp.float32) * self.scale
+    return (dot(x, p_ref[features, :], self.blocks, trans_b=True, state=True)
+            - 0.5 * jnp.sum(x * x, axis=1)[:, None] + fb_ref[features][None, :] + bias_ref[rows][:, None])
+
+
+def on_chip(logs, refs, blocks, scale):
+  """``logs`` (the refs of log features a kernel reads first) as :class:`LogRows` where ``scale`` is given:
+  then ``refs`` starts with the projection's and the normaliser's refs and one bias ref per features' ref
+  (the rows of q or k take the places of the features); the rest of ``refs`` after them."""
+  if scale is None:
+    return logs, refs
+  p_ref, fb_ref, *refs = refs
+  biases, refs = refs[:len(logs)], refs[len(logs):]
+  return [LogRows(x, p_ref, fb_ref, b, scale, blocks) for x, b in zip(logs, biases)], refs
 
 
 def _rows_cols(c):
@@ -103,9 +135,11 @@ def _split(refs, n_gate):
   return (tuple(refs[:n_gate]) or None), refs[n_gate:]
 
 
-def states_kernel(lk_ref, v_ref, *refs, blocks, n_chunks):
+def states_kernel(lk_ref, v_ref, *refs, blocks, n_chunks, scale=None):
   """Exclusive prefix states before every chunk (and after the last): μ [c+1, F], S [c+1, F, E], z [c+1, F];
-  gated (refs: b, e): each referenced at the end of the chunk before (e_j: key j's decay to its chunk's end)."""
+  gated (refs: b, e): each referenced at the end of the chunk before (e_j: key j's decay to its chunk's end).
+  ``scale``: features computed from the rows of k (:func:`on_chip`)."""
+  (lk_ref,), refs = on_chip([lk_ref], refs, blocks, scale)
   gate_refs, (mu_ref, s_ref, z_ref) = _split(refs, 2 if blocks.gated else 0)
   c_rows, bf = blocks.chunk, lk_ref.shape[-1]
 
@@ -158,9 +192,11 @@ def chunk_scales(lq_ref, lk_ref, mu_ref, gate_refs, fbs, m=None):
   return m, safe(sc)[:, None], jnp.exp(jnp.minimum(gain, SAFE_GAP)), reach > SAFE_GAP
 
 
-def output_kernel(lq_ref, lk_ref, v_ref, mu_ref, s_ref, z_ref, *refs, blocks):
+def output_kernel(lq_ref, lk_ref, v_ref, mu_ref, s_ref, z_ref, *refs, blocks, scale=None):
   """One chunk's rows: numerator [C, E], denominator [C] and row scale m [C] (−∞ only if no finite key;
-  see ``chunk_scales``); a gated row whose terms may be lost gets denominator 0 (detected by the caller)."""
+  see ``chunk_scales``); a gated row whose terms may be lost gets denominator 0 (detected by the caller).
+  ``scale``: features computed from the rows of q and k (:func:`on_chip`)."""
+  (lq_ref, lk_ref), refs = on_chip([lq_ref, lk_ref], refs, blocks, scale)
   gate_refs, (num_ref, den_ref, m_ref) = _split(refs, 2 if blocks.gated else 0)
   c_rows, f = lq_ref.shape
   fbs = _feature_blocks(f, blocks.block_f)

@@ -16,10 +16,15 @@ import jax.numpy as jnp
 from jaxtyping import Array
 
 from favor_jax.core import features as features_lib
+from favor_jax.core import kernels as kernels_lib
 from favor_jax.core.features import head_major
 from favor_jax.core.state import SAFE_GAP, parts
 
 NEG_INF = -jnp.inf
+# The on-chip feature maps (``Kernel.fused_map``) whose projection and normaliser are one per row (from the
+# call's statistic), and those that also scale q and k by a vector per row first (FAVOR#: Ψ and Ψ⁻¹).
+PER_ROW_MAPS = ("optimal_positive", "saderf")
+SCALED_MAPS = ("saderf",)
 
 
 class Rows(NamedTuple):
@@ -81,6 +86,41 @@ def prepare(features, q, k, v, mask, gate, *, chunk: int, lane: int) -> Rows:
   seen = rows(seen, False)
   back = lambda x: jnp.swapaxes(x[:, :length].reshape((n, h, length) + x.shape[2:]), 1, 2)
   return Rows(log_rows, value_rows, gate_rows, g, seen, of, back)
+
+
+def feature_map(features) -> str | None:
+  """The on-chip feature map for ``features`` (a :class:`~favor_jax.core.features.Features`), chosen once from
+  the kernel record: its ``fused_map`` ("positive": φ = exp(ωx − ‖x‖²/2)/√M, "hyperbolic": the same with
+  [ω; −ω], /√(2M); "optimal_positive": FAVOR++ from the call's ρ; "saderf": FAVOR#, FAVOR++ of Ψq and Ψ⁻¹k
+  from the call's statistic) where the call gives a projection, and a
+  statistic exactly where the map takes one; None (a record without one, a kernel of your own, a plain
+  callable, given features): the features from XLA, read by the kernels."""
+  kern = getattr(features, "kernel", None)
+  params = getattr(features, "params", ())
+  name = getattr(kern, "fused_map", None)
+  if name is None or len(params) != 2 or params[0] is None or (params[1] is None) == (name in PER_ROW_MAPS):
+    return None
+  return name
+
+
+def projection_rows(projection, name, f_pad, rho_NH=None, d=None):
+  """(p [G, F, D] float32, fb): the projection as the kernels read it (hyperbolic: stacked with its negative;
+  padded with zero rows to F), and the log-normaliser (−∞ on padded features): [1, F] with G = 1 for a shared
+  [M, D] projection, H for one per head [H, M, D]; FAVOR++ (a map of ``PER_ROW_MAPS``), one per row from ρ
+  [N, H] (``kernels.oprf_affine``): p = B·ω [R, F, D] and fb = c [R, 1, F], R = N·H (ρ held constant)."""
+  w = projection.astype(jnp.float32)
+  w = w[None] if w.ndim == 2 else w
+  if name == "hyperbolic":
+    w = jnp.concatenate([w, -w], axis=-2)
+  f = w.shape[-2]
+  live = jnp.arange(f_pad) < f
+  if name in PER_ROW_MAPS:
+    b_NH1, c_NHM = kernels_lib.oprf_affine(jax.lax.stop_gradient(rho_NH), projection, d)
+    w = (b_NH1[..., None] * w).reshape((-1, f, w.shape[-1]))  # [N, H, M, D] -> rows
+    fb = jnp.where(live, jnp.pad(c_NHM.reshape((-1, 1, f)), ((0, 0), (0, 0), (0, f_pad - f))), NEG_INF)
+  else:
+    fb = jnp.where(live, -0.5 * math.log(f), NEG_INF)[None]  # √M positive, √(2M) hyperbolic
+  return jnp.pad(w, ((0, 0), (0, f_pad - f), (0, 0))), fb.astype(jnp.float32)
 
 
 def transpose(fn, x, ct):

@@ -4,10 +4,11 @@ for a TPU (and, interpreted, on a CPU: see :mod:`favor_jax.core.causal`).
 The same estimator as :func:`favor_jax.core.causal_xla.chunked` and the Triton kernels
 (:mod:`favor_jax.core.fused.gpu`): features in log domain (φ = exp(log)), every stabiliser from keys a row may
 see, the row scales constants under ``grad``. Where the kernel record says how (``Kernel.fused_map``:
-positive, hyperbolic, FAVOR++, FAVOR#; :func:`feature_map`), the kernels read q, k, v in their own dtype and the
-projection and compute the log features ω·x − ‖x‖²/2 − log √M (FAVOR++: B·ω·x − ‖x‖²/2 + c, its projection
-B·ω and normaliser c one per (sequence, head) from the call's ρ, held constant; FAVOR#: the same of Ψq and
-Ψ⁻¹k, the scales Ψ per (sequence, head) from its statistic) in VMEM, forward and backward
+positive, hyperbolic, FAVOR++, FAVOR#; :func:`~favor_jax.core.fused.rows.feature_map`), the kernels read q, k,
+v in their own dtype and the projection and compute the log features ω·x − ‖x‖²/2 − log √M (FAVOR++:
+B·ω·x − ‖x‖²/2 + c, its projection B·ω and normaliser c one per (sequence, head) from the call's ρ, held
+constant; FAVOR#: the same of Ψq and Ψ⁻¹k, the scales Ψ per (sequence, head) from its statistic) in VMEM,
+forward and backward
 (nothing of size L×F goes through HBM; the backward gives ∂q, ∂k and the projection's gradient per row, and
 FAVOR++'s normaliser's, which depends on ω); for any other exponential map (Hedgehog, ELU+1, a record of
 your own) XLA computes the log features (the kernel's own ``log_features``) and the kernels read them.
@@ -42,15 +43,12 @@ Shape letters: see :mod:`favor_jax.core`; R = N·H rows, C rows per chunk, F fea
 
 from __future__ import annotations
 
-import math
-
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from favor_jax.core import features as features_lib
-from favor_jax.core import kernels as kernels_lib
 from favor_jax.core import statistics
 from favor_jax.core.features import exponential_features, head_major
 from favor_jax.core.fused import rows as fused_rows
@@ -158,41 +156,6 @@ def _forward(lq, lk, v, g, cfg):
 _FORWARD_OUTS = [("e", jnp.float32), ("1", jnp.float32), ("1", jnp.float32), ("k", jnp.float32)]  # num, den, m, count
 
 
-def feature_map(features) -> str | None:
-  """The on-chip feature map for ``features`` (a :class:`~favor_jax.core.features.Features`), chosen once from
-  the kernel record: its ``fused_map`` ("positive": φ = exp(ωx − ‖x‖²/2)/√M, "hyperbolic": the same with
-  [ω; −ω], /√(2M); "optimal_positive": FAVOR++ from the call's ρ; "saderf": FAVOR#, FAVOR++ of Ψq and Ψ⁻¹k
-  from the call's statistic) where the call gives a projection, and a
-  statistic exactly where the map takes one; None (a record without one, a kernel of your own, a plain
-  callable, given features): the features from XLA, read by the kernels."""
-  kern = getattr(features, "kernel", None)
-  params = getattr(features, "params", ())
-  name = getattr(kern, "fused_map", None)
-  if name is None or len(params) != 2 or params[0] is None or (params[1] is None) == (name in PER_ROW_MAPS):
-    return None
-  return name
-
-
-def _projection_rows(projection, name, f_pad, rho_NH=None, d=None):
-  """(p [G, F, D] float32, fb): the projection as the kernels read it (hyperbolic: stacked with its negative;
-  padded with zero rows to F), and the log-normaliser (−∞ on padded features): [1, F] with G = 1 for a shared
-  [M, D] projection, H for one per head [H, M, D]; FAVOR++ (a map of ``PER_ROW_MAPS``), one per row from ρ
-  [N, H] (``kernels.oprf_affine``): p = B·ω [R, F, D] and fb = c [R, 1, F], R = N·H (ρ held constant)."""
-  w = projection.astype(jnp.float32)
-  w = w[None] if w.ndim == 2 else w
-  if name == "hyperbolic":
-    w = jnp.concatenate([w, -w], axis=-2)
-  f = w.shape[-2]
-  live = jnp.arange(f_pad) < f
-  if name in PER_ROW_MAPS:
-    b_NH1, c_NHM = kernels_lib.oprf_affine(jax.lax.stop_gradient(rho_NH), projection, d)
-    w = (b_NH1[..., None] * w).reshape((-1, f, w.shape[-1]))  # [N, H, M, D] -> rows
-    fb = jnp.where(live, jnp.pad(c_NHM.reshape((-1, 1, f)), ((0, 0), (0, 0), (0, f_pad - f))), NEG_INF)
-  else:
-    fb = jnp.where(live, -0.5 * math.log(f), NEG_INF)[None]  # √M positive, √(2M) hyperbolic
-  return jnp.pad(w, ((0, 0), (0, f_pad - f), (0, 0))), fb.astype(jnp.float32)
-
-
 def program(cfg: Config) -> fused_rows.Program:
   """The Mosaic kernels as a :class:`~favor_jax.core.fused.rows.Program`: the forward kernel, then (backward)
   the ∂ℓq and ∂ℓk/∂v kernels. With ``cfg.feature_map`` the kernels read q, k, v in their dtype and the
@@ -201,16 +164,17 @@ def program(cfg: Config) -> fused_rows.Program:
   (recomputed from q, k and the projection for the backward). Kept between forward and backward: the inputs
   and the row scales."""
   def projection_rows(features, params, q, k):
-    """w -> (p, fb) of :func:`_projection_rows` for this call (its map, padded width and statistic), F, and the
-    rows' scales of q and k as inputs (maps of ``SCALED_MAPS``; FAVOR#: d^{-1/4}·Ψ and d^{-1/4}/Ψ, Ψ from the
-    statistic [N, H, D+1] = (log Ψ, ρ), held constant as in ``kernels.saderf``) or none."""
+    """w -> (p, fb) of :func:`~favor_jax.core.fused.rows.projection_rows` for this call (its map, padded width
+    and statistic), F, and the rows' scales of q and k as inputs (maps of ``SCALED_MAPS``; FAVOR#: d^{-1/4}·Ψ
+    and d^{-1/4}/Ψ, Ψ from the statistic [N, H, D+1] = (log Ψ, ρ), held constant as in ``kernels.saderf``) or
+    none."""
     f_pad = -(-jax.eval_shape(lambda: head_major(features, q, k)[0].log).shape[-1] // LANE) * LANE
     statistic, scales = params[1], []
     if cfg.feature_map in SCALED_MAPS:
       log_psi, statistic = statistics.saderf_parts(jax.lax.stop_gradient(params[1]), q)
       psi = jnp.exp(log_psi).reshape((-1, 1, q.shape[-1]))  # rows (sequence, head), as the projection's
       scales = [("u", cfg.x_scale * psi), ("u", cfg.x_scale / psi)]
-    return lambda w: _projection_rows(w, cfg.feature_map, f_pad, statistic, q.shape[-1]), f_pad, scales
+    return lambda w: fused_rows.projection_rows(w, cfg.feature_map, f_pad, statistic, q.shape[-1]), f_pad, scales
 
   def on_chip(rows, q, k, mask, p, fb, scales):
     n, length, h = q.shape[:3]
@@ -295,10 +259,10 @@ def program(cfg: Config) -> fused_rows.Program:
 
 def config(q, k, v, gate, *, chunk_size: int, precision, interpret, features=None) -> Config:
   """The :class:`Config` of one call (its chunk, precision and operand dtype from the inputs; the on-chip
-  feature map from ``features``' kernel record, :func:`feature_map`)."""
+  feature map from ``features``' kernel record, :func:`~favor_jax.core.fused.rows.feature_map`)."""
   c = chunk_rows(chunk_size, bool(interpret))
   operands = "bfloat16" if jnp.result_type(q, k, v) == jnp.bfloat16 and precision is None else "float32"
-  name = None if features is None else feature_map(features)
+  name = None if features is None else fused_rows.feature_map(features)
   return Config(c, interpret, mosaic_precision(precision), operands, gate is not None, name,
                 q.shape[-1] ** -0.25)
 

@@ -12,11 +12,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from favor_jax.core.fused import rows as fused_rows
+from favor_jax.core.fused.rows import PER_ROW_MAPS, SCALED_MAPS
 from favor_jax.core.state import SAFE_GAP
 
 NEG_INF = -jnp.inf
-PER_ROW_MAPS = ("optimal_positive", "saderf")  # on-chip maps whose projection and normaliser are per row (statistic)
-SCALED_MAPS = ("saderf",)  # on-chip maps that scale q and k by a vector per row first (FAVOR#: Ψ and Ψ⁻¹)
 
 
 class Config(NamedTuple):
