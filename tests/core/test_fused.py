@@ -290,6 +290,12 @@ def test_forward_and_backward_lower_to_triton_for_a_gpu():
       fn = functools.partial(fn, precision=precision)
       text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
       assert text.count("__gpu$xla.gpu.triton") == kernels_in_it
+  # A head dim that is not a power of two: the forward kernels read q and k padded to one (Triton's blocks).
+  q48, k48 = (jnp.tile(x, (1, 1, 1, 6)) for x in (q, k))  # D = 48
+  proj48 = jnp.tile(proj, (1, 6))
+  text = jax.jit(functools.partial(loss, precision=None)).trace(q48, k48, v, proj48, None).lower(
+      lowering_platforms=("cuda",)).as_text()
+  assert text.count("__gpu$xla.gpu.triton") == 2
 
 
 @pytest.mark.parametrize("name", sorted(kernels.KERNELS))

@@ -197,11 +197,13 @@ class _Rows:
     return self.of(v, 0.0, self.ep)
 
   def on_chip(self, q, k, name):
-    """(q rows, k rows [R, L, D] in their dtype, the :class:`_OnChip` inputs) of the map ``name``."""
+    """(q rows, k rows [R, L, D'] in their dtype, the :class:`_OnChip` inputs) of the map ``name``; D' is D
+    padded with zeros to a power of two >= 16, Triton's block shapes (no product or norm changes)."""
+    d = _pow2(q.shape[-1])
     p, fb = fused_rows.projection_rows(self.features.params[0], name, self.fp)
+    p = jnp.pad(p, ((0, 0), (0, 0), (0, d - p.shape[-1])))
     live = jnp.zeros((self.n, self.length, self.h), jnp.float32)
     keys = jnp.where(jnp.broadcast_to(self.mask[:, :, None], live.shape), 0.0, NEG_INF)
-    d = q.shape[-1]
     return self.of(q, 0.0, d), self.of(k, 0.0, d), _OnChip(p, fb, self.of(live, NEG_INF), self.of(keys, NEG_INF))
 
   def gate_rows(self, gate):
