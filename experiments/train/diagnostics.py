@@ -42,6 +42,7 @@ def _find(tree, name):
   return None
 
 
+@jax.jit  # one program per shape, reused by every layer (op by op: hundreds of small compilations per layer)
 def _stats(q, k, log_gate, segment_ids):
   """(entropy, peak logit, ‖x+y‖² at the heaviest key) of the exact gated softmax rows, means over rows."""
   log_w = core.attention_weights(q, k, kernel="softmax", causal=True, log=True, log_gate=log_gate,
@@ -82,9 +83,8 @@ def own_activations(config, state) -> dict:
       v, t, capture_intermediates=lambda module, method: module.name in CAPTURED, mutable=["intermediates"],
       **packed))(variables, batch.tokens)
   a = config.attention
-  # One program per run, reused by every layer (the same shapes): called op by op, the causal passes would
-  # compile hundreds of small programs per layer.
-  stats = jax.jit(_stats)
+  # One program per run, reused by every layer (the same shapes), as _stats: called op by op, the causal passes
+  # would compile hundreds of small programs per layer.
   own_error = jax.jit(lambda *args: _own_error(a, *args)) if a.type == "favor" else None
   out = dict(attention_entropy=[], peak_logit=[], peak_pair_sq=[], own_error=[])
   for i in range(config.model.num_layers):
@@ -95,7 +95,7 @@ def own_activations(config, state) -> dict:
     logit = _find(got, "forget_gate")
     log_gate = gates.layer_log_gate(None if logit is None else logit["__call__"][0], False, q.shape[:-1])
     seg = packed.get("segment_ids")
-    for name, value in zip(("attention_entropy", "peak_logit", "peak_pair_sq"), stats(q, k, log_gate, seg)):
+    for name, value in zip(("attention_entropy", "peak_logit", "peak_pair_sq"), _stats(q, k, log_gate, seg)):
       out[name].append(float(value))
     if own_error is None:
       out["own_error"].append(0.0)

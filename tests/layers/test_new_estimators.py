@@ -52,6 +52,9 @@ def _nnx_params(layer):
           for name in DENSE}
 
 
+_nnx_apply = nnx.jit(lambda m, x: m(x))  # an NNX layer's call, one program per layer and shape
+
+
 def _nnx_layer(kernel="positive", **kw):
   return fnnx.FavorAttention(H, F, kernel=kernel, rngs=nnx.Rngs(0), **{"decode": False, **kw})
 
@@ -87,7 +90,7 @@ def _nnx_run(kernel, x, **kw):
   projection = layer._projection()
   if _role(kernel) != "random":
     assert layer.projection is None
-  return nnx.jit(lambda m, x: m(x))(layer, x), _nnx_params(layer), projection
+  return _nnx_apply(layer, x), _nnx_params(layer), projection
 
 
 RUN = {"linen": _linen_run, "nnx": _nnx_run}
@@ -247,7 +250,7 @@ def test_nnx_per_head_projection_equals_each_head_alone_and_redraws_per_head():
   assert p.shape == (H, 6, D) and not np.allclose(p[0], p[1])
   params = _nnx_params(layer)
   q, k, v = _qkv(params, x)
-  got = nnx.jit(lambda m, x: m(x))(layer, x)
+  got = _nnx_apply(layer, x)
   np.testing.assert_allclose(got, _out(params, _each_head_alone(q, k, v, p)), rtol=1e-5, atol=1e-5)
   layer.redraw(jax.random.PRNGKey(3), due=False)
   np.testing.assert_array_equal(layer.projection[...], p)
@@ -330,7 +333,7 @@ def test_nnx_full_window_is_flax_softmax_attention():
     layer = _nnx_layer("taylor", window=window, causal=True)
     nnx.update(layer, nnx.state(mha, nnx.Param))
     exact = nnx.jit(lambda m, x, mask: m(x, mask=mask))(mha, x, nn.make_causal_mask(x[..., 0]))
-    got = nnx.jit(lambda m, x: m(x))(layer, x)
+    got = _nnx_apply(layer, x)
     if window == L:
       np.testing.assert_allclose(got, exact, rtol=1e-5, atol=1e-5)
     else:
@@ -413,7 +416,7 @@ def test_nnx_decoding_token_by_token_equals_the_causal_layer(case):
   layer = _nnx_layer(causal=True, **NNX_DECODE[case])
   if "hedgehog" in case:
     layer.feature_map[...] += 0.3 * jax.random.normal(jax.random.PRNGKey(1), (H, D, D))
-  full = nnx.jit(lambda m, x: m(x))(layer, x)
+  full = _nnx_apply(layer, x)
   layer.init_cache(x.shape)
   step = nnx.jit(lambda m, x: m(x, decode=True))  # the decode state and its index update in place
   outs = [step(layer, piece) for piece in _pieces(x)]

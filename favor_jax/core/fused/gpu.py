@@ -151,12 +151,10 @@ def _forward(lq, lk, v, gate_rows, blocks, chip=None):
   mu, s, z = _prefix_states(lk, v, gate_rows, blocks, chip)
   sp = _chunk_specs(blocks.chunk, f, e)
   gated = () if gate_rows is None else gate_rows[:2]  # g, b
-  ins, args = [sp["feat"], sp["feat"]], [lq, lk]
+  ins, args, extra, more = [sp["feat"], sp["feat"]], [lq, lk], [], []
   if chip is not None:
     d, groups = lq.shape[-1], chip.p.shape[0]
     ins = [_spec((None, blocks.chunk, d), lambda i, c: (i, c, 0))] * 2
-  extra, more = [], []
-  if chip is not None:
     extra = [_spec((None, f, d), lambda i, c: (i % groups, 0, 0)), _spec((None, f), lambda i, c: (0, 0)),
              sp["row"], sp["row"]]
     more = [chip.p, chip.fb, chip.q_bias, chip.k_bias]
@@ -203,7 +201,7 @@ class _Rows:
     p, fb = fused_rows.projection_rows(self.features.params[0], name, self.fp)
     p = jnp.pad(p, ((0, 0), (0, 0), (0, d - p.shape[-1])))
     live = jnp.zeros((self.n, self.length, self.h), jnp.float32)
-    keys = jnp.where(jnp.broadcast_to(self.mask[:, :, None], live.shape), 0.0, NEG_INF)
+    keys = fused_rows.key_bias(self.mask, self.h)
     return self.of(q, 0.0, d), self.of(k, 0.0, d), _OnChip(p, fb, self.of(live, NEG_INF), self.of(keys, NEG_INF))
 
   def gate_rows(self, gate):

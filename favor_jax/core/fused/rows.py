@@ -103,6 +103,12 @@ def feature_map(features) -> str | None:
   return name
 
 
+def key_bias(mask, h: int):
+  """[N, L, H] float32: 0 for a key ``mask`` [N, L] keeps, −∞ for one it drops (added to the key's log
+  features by kernels that compute them)."""
+  return jnp.where(jnp.broadcast_to(mask[:, :, None], mask.shape + (h,)), 0.0, NEG_INF)
+
+
 def projection_rows(projection, name, f_pad, rho_NH=None, d=None):
   """(p [G, F, D] float32, fb): the projection as the kernels read it (hyperbolic: stacked with its negative;
   padded with zero rows to F), and the log-normaliser (−∞ on padded features): [1, F] with G = 1 for a shared

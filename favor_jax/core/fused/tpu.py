@@ -177,8 +177,7 @@ def program(cfg: Config) -> fused_rows.Program:
     return lambda w: fused_rows.projection_rows(w, cfg.feature_map, f_pad, statistic, q.shape[-1]), f_pad, scales
 
   def on_chip(rows, q, k, mask, p, fb, scales):
-    n, length, h = q.shape[:3]
-    key_bias = jnp.where(jnp.broadcast_to(mask[:, :, None], (n, length, h)), 0.0, NEG_INF)
+    key_bias = fused_rows.key_bias(mask, q.shape[2])
     x_ins = [("x", rows.of(q, 0.0)), ("x", rows.of(k, 0.0))]
     normaliser = "b" if cfg.feature_map in PER_ROW_MAPS else "n"
     return x_ins, [("p", p), (normaliser, fb), ("1", rows.of(key_bias, NEG_INF)[..., None])] + scales
