@@ -202,22 +202,31 @@ def _mosaic_traffic(text):
   return moved, calls, largest
 
 
-@pytest.mark.slow  # one export at L=16384
-def test_the_triton_forward_computes_the_features_itself():
-  """Exported for CUDA at issue 51's shape (bfloat16, kernel "positive"): the forward program holds no array with
-  as many elements as the features (the Triton kernels compute them from q, k and the projection), and its
-  Triton calls read q and k in bfloat16. Measured 2026-12-06: 4205 B per token and head forward, 8664 before."""
+@pytest.mark.slow  # three lowerings at L=16384
+def test_the_triton_kernels_compute_the_features_themselves_forward_and_backward():
+  """Lowered for CUDA at issue 51's shape (bfloat16, kernel "positive"): neither the forward program nor the
+  gradient's holds an array with as many elements as the features (the Triton kernels compute them from q, k
+  and the projection, forward and backward: ∂q and ∂k come out of the kernel), and their Triton calls read q
+  and k in bfloat16. The gradient kernel gives the projection's gradient (one [F, D] per chunk and row) only
+  where the projection is differentiated. Measured 2026-12-06 (``programs.export_traffic``): 4205 B per token
+  and head forward (8664 with XLA's features), 12203 B in the gradient of q, k, v (25085 with XLA's
+  features in both passes, 20626 with the forward's own)."""
   b, length, h, d, m = (ACCEPT[x] for x in "BLHDM")
   qkv = jax.ShapeDtypeStruct((b, length, h, d), jnp.bfloat16)
   fn = lambda q, k, v, p: core.favor_attention(q, k, v, p, causal=True, causal_method="pallas")
-  text = jax.jit(fn).trace(qkv, qkv, qkv, jax.ShapeDtypeStruct((m, d), jnp.float32)).lower(
-      lowering_platforms=("cuda",)).as_text()
-  # an array over both tokens and features ([R, L, F] or [B, H, L, F] in any order), not the chunk states
-  # [R, L/C + 1, F, Dv], which at this shape (F·Dv/C = M) happen to have as many elements
-  dims = [t.split("x")[:-1] for t in re.findall(r"tensor<([\dx]*\w+)>", text)]
-  assert not [d_ for d_ in dims if str(length) in d_ and str(m) in d_], "an array of the features"
-  triton = [line for line in text.splitlines() if "__gpu$xla.gpu.triton" in line or "triton_kernel_call" in line]
-  assert triton and any(f"tensor<{b * h}x{length}x{d}xbf16>" in line for line in triton)
+  loss = lambda *x: jnp.sum(fn(*x).astype(jnp.float32) ** 2)
+  for what, program, results in (("forward", fn, 3), ("∂q, ∂k, ∂v", jax.grad(loss, argnums=(0, 1, 2)), 3),
+                                 ("∂q, ∂k, ∂v, ∂ω", jax.grad(loss, argnums=(0, 1, 2, 3)), 4)):
+    text = jax.jit(program).trace(qkv, qkv, qkv, jax.ShapeDtypeStruct((m, d), jnp.float32)).lower(
+        lowering_platforms=("cuda",)).as_text()
+    # an array over both tokens and features ([R, L, F] or [B, H, L, F] in any order), not the chunk states
+    # [R, L/C + 1, F, Dv], which at this shape (F·Dv/C = M) happen to have as many elements
+    dims = [t.split("x")[:-1] for t in re.findall(r"tensor<([\dx]*\w+)>", text)]
+    assert not [d_ for d_ in dims if str(length) in d_ and str(m) in d_], f"{what}: an array of the features"
+    calls = [line for line in text.splitlines() if TRITON in line]
+    assert calls and all(f"tensor<{b * h}x{length}x{d}xbf16>" in line for line in calls), what
+    last = calls[-1][calls[-1].rindex("->"):]  # the last kernel's results: the outputs, or ∂q, ∂k, ∂v(, ∂ω)
+    assert len(re.findall(r"tensor<", last)) == results, (what, last)
 
 
 @pytest.mark.slow  # two exports at L=16384 per case: seconds each

@@ -78,7 +78,7 @@ def _unavailable(message) -> fused_rows.Program:
   def forward(features, q, k, v, gate, mask):
     return _bind(message, _shapes(q, v))
 
-  def backward(static, params, q, k, v, gate, mask, scale, dnum, dden):
+  def backward(static, params, q, k, v, gate, mask, scale, dnum, dden, *, project=True):
     return _bind(message, (q, k, v, gate, tuple(params)))
 
   return fused_rows.Program(forward, backward)
@@ -105,7 +105,7 @@ def _xla_program(chunk_size, precision) -> fused_rows.Program:
   forward recomputed there)."""
   redo = fused_rows.xla_redo(_xla(precision), chunk_size)
 
-  def backward(static, params, q, k, v, gate, mask, scale, dnum, dden):
+  def backward(static, params, q, k, v, gate, mask, scale, dnum, dden, *, project=True):  # project: see rows.run
     call = lambda q, k, v, gate, *params: redo(features_lib.rebuilt(static, params), q, k, v, gate, mask)[:2]
     dq, dk, dv, dg, *dparams = jax.vjp(call, q, k, v, gate, *params)[1]((dnum, dden))
     return dq, dk, dv, dg, tuple(dparams)

@@ -227,6 +227,44 @@ def test_gradients_at_x4_and_x20_in_float32_and_bfloat16_match_the_scan(name):
         np.testing.assert_allclose(g, r, atol=tol * np.max(np.abs(r)), err_msg=f"{what} ×{scale} {dtype.__name__}")
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["positive", "hyperbolic", "optimal_positive", "saderf"])
+def test_the_triton_backward_from_q_and_k_matches_the_scan_gradients(name):
+  """The Triton kernels' own backward, ungated (they compute the log features from q, k and the projection,
+  forward and backward, and give ∂q, ∂k and the projection's gradient themselves): against the per-token
+  scan's gradients of q, k, v and the projection at ×1 and ×4 in float32 (2e-5 of the largest) and bfloat16
+  (its rounding, 2e-2; the scan on the same rounded inputs; q, k, v only: the kernel then leaves the
+  projection's gradient out), a masked key and rows that see none; a projection shared by the heads
+  (positive, FAVOR#) or one per head (hyperbolic, FAVOR++); FAVOR++ and FAVOR# with their statistic given
+  (a projection and normaliser per (sequence, head), and FAVOR#'s scales of q and k); head dim 8 padded to 16
+  in the kernels."""
+  q0, k0, v, mask = _inputs()
+  proj, rho = _params(name, q0, k0, mask)
+  if name in ("hyperbolic", "optimal_positive"):
+    proj = jnp.stack([proj, core.orthogonal_projection(jax.random.PRNGKey(7), M, D)])  # [H, M, D]
+  cot = jnp.cos(jnp.arange(B * L * H * DV).reshape(B, L, H, DV))
+
+  def fused_loss(q, k, v, proj):
+    num, den, scale = _fused(name, fallback=False)(q, k, v, proj, rho, mask)  # the kernels' own backward
+    return jnp.sum(state_lib.divide(num, den).astype(jnp.float32) * cot), jnp.sum(fused.lost_rows(den, scale))
+
+  def scan_loss(q, k, v, proj):
+    out = core.favor_attention(q, k, v, proj, kernel=name, causal=True, key_mask=mask, rho=rho,
+                               causal_method="scan")
+    return jnp.sum(out * cot)
+
+  for scale, dtype, tol in ((1.0, jnp.float32, 2e-5), (4.0, jnp.float32, 2e-5), (1.0, jnp.bfloat16, 2e-2)):
+    argnums = (0, 1, 2, 3) if dtype == jnp.float32 else (0, 1, 2)
+    args = tuple(x.astype(dtype) for x in (scale * q0, scale * k0, v))
+    got, lost = jax.jit(jax.grad(fused_loss, argnums=argnums, has_aux=True))(*args, proj)
+    assert lost == 0, f"×{scale}: the fused backward itself must be what is checked"
+    want = jax.jit(jax.grad(scan_loss, argnums=argnums))(*(x.astype(jnp.float32) for x in args), proj)
+    for what, a, b in zip(("query", "key", "value", "projection"), got, want):
+      a, b = np.asarray(a, np.float32), np.asarray(b)
+      assert np.max(np.abs(b)) > 0, what
+      np.testing.assert_allclose(a, b, atol=tol * np.max(np.abs(b)), err_msg=f"d/d{what} ×{scale} {dtype}")
+
+
 def test_unsupported_feature_maps_and_chunks_are_refused():
   q, k, v, mask = _inputs()
   with pytest.raises(ValueError, match="causal_method='chunked'"):

@@ -14,12 +14,12 @@ every stabiliser taken from keys a row may see:
   stabilised by its own running maximum ν; ``grads_kernel`` (per chunk) gives ∂ℓq, ∂ℓk, ∂v from the
   prefix and suffix states and the chunk's own products. The scales are constants under ``grad``, as in
   the XLA pass. For the maps of one projection for every row (``Kernel.fused_map`` positive and
-  hyperbolic, ``fused.rows.feature_map``) the forward kernels compute the log features from the rows of q
-  and k in their dtype, the projection and the normaliser where they read them (``gpu_bodies.LogRows``:
-  nothing of size L×F in the forward program); otherwise, and in the backward, XLA computes them (the
-  kernel's own ``log_features``), so every kernel whose features are pure exponentials runs here; the
-  backward recomputes them from q and k (the custom VJP keeps the inputs and the row scales, not the
-  features).
+  hyperbolic, ``fused.rows.feature_map``) every kernel computes the log features from the rows of q and k
+  in their dtype, the projection and the normaliser where it reads them (``gpu_bodies.LogRows``: nothing of
+  size L×F in either program; ``grads_kernel`` gives ∂q, ∂k and, where the projection is differentiated, its
+  gradient per chunk); for the other exponential maps XLA computes them (the kernel's own
+  ``log_features``, recomputed for the backward from q and k). The custom VJP keeps the inputs and the row
+  scales.
 
 Forget gates (``gate``, log f ≤ 0, −∞ a reset; packed segments arrive as −∞ gates): before key t joins,
 the state decays by e^{g_t}, as in the XLA pass. The states carry the decay in their log-scale μ (each chunk's
@@ -40,23 +40,20 @@ see :mod:`favor_jax.core`; here R = N·H rows of (sequence, head), c chunks, C r
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
-from jaxtyping import Array
 
 from favor_jax.core import features as features_lib
-from favor_jax.core import inputs
 from favor_jax.core.features import exponential_features, head_major
 from favor_jax.core.fused import gpu_bodies as kern
 from favor_jax.core.fused import rows as fused_rows
 from favor_jax.core.fused.gpu_bodies import NEG_INF, Blocks
+from favor_jax.core.fused.gpu_rows import Rows, pow2
 from favor_jax.core.fused.rows import lost_rows
 from favor_jax.core.gates import to_end
-from favor_jax.core.state import parts
 
 __all__ = ["Blocks", "GPU_DEFAULTS", "blocks_for", "causal", "lost_rows", "pallas_block"]
 
@@ -65,10 +62,6 @@ def pallas_block(size: int) -> bool:
   """Whether the fused kernels take this block size (chunk, feature block): a power of two >= 16,
   Triton's block shapes."""
   return size >= 16 and not size & (size - 1)
-
-
-def _pow2(n: int, least: int = 16) -> int:
-  return max(least, 1 << (int(n) - 1).bit_length())
 
 
 def _call(kernel, grid, in_specs, out_specs, out_shape, blocks, **kw):
@@ -99,16 +92,6 @@ def _state_specs(n, bf, e):
   return [vec, _spec((None, n, bf, e), lambda i, j: (i, 0, j, 0)), vec]
 
 
-class _OnChip(NamedTuple):
-  """The inputs of the forward kernels that compute the features (``Blocks.feature_map``): the projection rows
-  p [G, F, D] (G = 1 shared, H per head), the log-normaliser fb [1, F], and the biases [R, L] of the rows of q
-  (−∞: padding) and of k (−∞: masked keys and padding)."""
-  p: Array
-  fb: Array
-  q_bias: Array
-  k_bias: Array
-
-
 def _prefix_states(lk, v, gate_rows, blocks, chip=None):
   """The prefix states from the log features lk [R, L, F], or (``chip``) from the rows of k [R, L, D]."""
   r, length = lk.shape[:2]
@@ -116,15 +99,12 @@ def _prefix_states(lk, v, gate_rows, blocks, chip=None):
   e, bf, nc = v.shape[-1], blocks.block_f, length // blocks.chunk
   sp = _seq_specs(length, e)
   gated = () if gate_rows is None else (gate_rows[1], gate_rows[2])  # b, e
-  ins, args = [sp["feat"](bf), sp["val"]], [lk, v]
+  ins, extra, more = [sp["feat"](bf)], [], []
   if chip is not None:
-    d, groups = lk.shape[-1], chip.p.shape[0]
-    ins = [_spec((None, length, d), lambda i, j: (i, 0, 0)), sp["val"],
-           _spec((None, bf, d), lambda i, j: (i % groups, j, 0)), _spec((None, bf), lambda i, j: (0, j)), sp["row"]]
-    args = [lk, v, chip.p, chip.fb, chip.k_bias]
-  return _call(kern.states_kernel, (r, f // bf), ins + [sp["row"]] * len(gated),
+    (extra, more), ins = chip.ins("k", length, bf, seq=True), [chip.x_spec(length, seq=True)]
+  return _call(kern.states_kernel, (r, f // bf), ins + [sp["val"]] + extra + [sp["row"]] * len(gated),
                _state_specs(nc + 1, bf, e), _f32((r, nc + 1, f), (r, nc + 1, f, e), (r, nc + 1, f)),
-               blocks, n_chunks=nc, scale=None if chip is None else blocks.x_scale)(*args, *gated)
+               blocks, n_chunks=nc, scale=None if chip is None else blocks.x_scale)(lk, v, *more, *gated)
 
 
 def _chunk_specs(c_rows, f, e):
@@ -151,124 +131,102 @@ def _forward(lq, lk, v, gate_rows, blocks, chip=None):
   mu, s, z = _prefix_states(lk, v, gate_rows, blocks, chip)
   sp = _chunk_specs(blocks.chunk, f, e)
   gated = () if gate_rows is None else gate_rows[:2]  # g, b
-  ins, args, extra, more = [sp["feat"], sp["feat"]], [lq, lk], [], []
+  ins, extra, more = [sp["feat"], sp["feat"]], [], []
   if chip is not None:
-    d, groups = lq.shape[-1], chip.p.shape[0]
-    ins = [_spec((None, blocks.chunk, d), lambda i, c: (i, c, 0))] * 2
-    extra = [_spec((None, f, d), lambda i, c: (i % groups, 0, 0)), _spec((None, f), lambda i, c: (0, 0)),
-             sp["row"], sp["row"]]
-    more = [chip.p, chip.fb, chip.q_bias, chip.k_bias]
+    (extra, more), ins = chip.ins("qk", blocks.chunk, f, seq=False), [chip.x_spec(blocks.chunk, seq=False)] * 2
   num, den, m = _call(
       kern.output_kernel, (r, nc), ins + [sp["val"], sp["vec"], sp["mat"], sp["vec"]] + extra
       + [sp["row"]] * len(gated), [sp["val"], sp["row"], sp["row"]], _f32((r, length, e), (r, length), (r, length)),
-      blocks, scale=None if chip is None else blocks.x_scale)(*args, v, mu, s, z, *more, *gated)
+      blocks, scale=None if chip is None else blocks.x_scale)(lq, lk, v, mu, s, z, *more, *gated)
   return (num, den, m), (mu, s, z)
-
-
-class _Rows:
-  """A call's rows for the Triton kernels: [N, L, H(, W)] -> [N·H, padded(, width)] (features and values
-  padded to powers of two), the log features, the values, the gates, which rows see a key, and back."""
-
-  def __init__(self, features, q, v, mask, gate, blocks):
-    n, length, h = q.shape[:3]
-    f = jax.eval_shape(lambda: head_major(features, q, q)[0].log).shape[-1]
-    self.n, self.length, self.h, self.features, self.mask = n, length, h, features, mask
-    self.padded, self.fp, self.ep = -(-length // blocks.chunk) * blocks.chunk, _pow2(f), _pow2(v.shape[-1])
-    flags = jnp.broadcast_to(mask[:, :, None], (n, length, h))
-    resets = jnp.zeros((n, length, h), bool) if gate is None else jnp.isneginf(gate)
-    self.seen = self.of(inputs._seen_causal(flags, resets), False)  # a key no reset cut off
-    self.gate = None if gate is None else self.gate_rows(gate)
-
-  def of(self, x, value, width=None):  # [N, L, H(, W)] -> [N·H, padded(, width)]
-    x = jnp.swapaxes(x, 1, 2).reshape((self.n * self.h, self.length) + x.shape[3:])
-    widths = ((0, 0), (0, self.padded - self.length)) + (((0, width - x.shape[-1]),) if width else ())
-    return jnp.pad(x, widths, constant_values=value)
-
-  def log_rows(self, q, k):
-    fq, fk = head_major(self.features, q, k)  # [N, H, L, F]
-    log_q, _ = parts(fq)
-    log_k, _ = parts(fk, self.mask[:, None, :, None])
-    to_rows = lambda x: self.of(jnp.swapaxes(x.astype(jnp.float32), 1, 2), NEG_INF, self.fp)
-    return to_rows(log_q), to_rows(log_k)
-
-  def value_rows(self, v):
-    return self.of(v, 0.0, self.ep)
-
-  def on_chip(self, q, k, name):
-    """(q rows, k rows [R, L, D'] in their dtype, the :class:`_OnChip` inputs) of the map ``name``; D' is D
-    padded with zeros to a power of two >= 16, Triton's block shapes (no product or norm changes)."""
-    d = _pow2(q.shape[-1])
-    p, fb = fused_rows.projection_rows(self.features.params[0], name, self.fp)
-    p = jnp.pad(p, ((0, 0), (0, 0), (0, d - p.shape[-1])))
-    live = jnp.zeros((self.n, self.length, self.h), jnp.float32)
-    keys = fused_rows.key_bias(self.mask, self.h)
-    return self.of(q, 0.0, d), self.of(k, 0.0, d), _OnChip(p, fb, self.of(live, NEG_INF), self.of(keys, NEG_INF))
-
-  def gate_rows(self, gate):
-    return self.of(gate.astype(jnp.float32), 0.0)
-
-  def back(self, x):
-    return jnp.swapaxes(x[:, :self.length].reshape((self.n, self.h, self.length) + x.shape[2:]), 1, 2)
 
 
 def program(blocks: Blocks) -> fused_rows.Program:
   """The Triton kernels as a :class:`~favor_jax.core.fused.rows.Program`: the prefix states and the outputs
-  (forward); the features and the prefix states recomputed, the suffix states and the gradients (backward).
-  Kept between them: the inputs and the row scales (not the features, F/D·4/itemsize times the inputs, nor
-  the chunk states, F·E floats per chunk and row)."""
+  (forward); the prefix states recomputed, the suffix states and the gradients (backward). Kept between them:
+  the inputs and the row scales (not the features, F/D·4/itemsize times the inputs, nor the chunk states,
+  F·E floats per chunk and row)."""
+  def on_chip(rows, q, k, params):
+    """(q rows, k rows, :class:`~favor_jax.core.fused.gpu_rows.OnChip`, the map ω -> (p, fb))."""
+    of_projection, scales = fused_rows.on_chip_inputs(blocks.feature_map, params, q, rows.fp, blocks.x_scale)
+    to_kernel = lambda w: rows.projection(of_projection(w))
+    return (*rows.on_chip(q, k, *to_kernel(params[0]), scales), to_kernel)
+
   def forward(features, q, k, v, gate, mask):
-    rows = _Rows(features, q, v, mask, gate, blocks)
+    rows = Rows(features, q, v, mask, gate, blocks.chunk)
     gate_rows = None if rows.gate is None else _gate_rows(rows.gate, blocks.chunk)
-    if blocks.feature_map:  # the forward kernels compute the features (the backward reads XLA's)
-      q_rows, k_rows, chip = rows.on_chip(q, k, blocks.feature_map)
+    if blocks.feature_map:  # the kernels compute the features
+      q_rows, k_rows, chip, _ = on_chip(rows, q, k, features.params)
       (num, den, m), _ = _forward(q_rows, k_rows, rows.value_rows(v), gate_rows, blocks, chip)
     else:
       (num, den, m), _ = _forward(*rows.log_rows(q, k), rows.value_rows(v), gate_rows, blocks)
     return (rows.back(num[..., :v.shape[-1]]), rows.back(den),
             rows.back(jnp.where(rows.seen, jax.lax.stop_gradient(m), NEG_INF)))
 
-  def backward(static, params, q, k, v, gate, mask, scale, dnum, dden):
+  def backward(static, params, q, k, v, gate, mask, scale, dnum, dden, *, project=True):
     def logs(q, k, *params):
-      return _Rows(features_lib.rebuilt(static, params), q, v, mask, gate, blocks).log_rows(q, k)
+      return Rows(features_lib.rebuilt(static, params), q, v, mask, gate, blocks.chunk).log_rows(q, k)
 
-    rows = _Rows(features_lib.rebuilt(static, params), q, v, mask, gate, blocks)
-    (lq, lk), features_vjp = jax.vjp(logs, q, k, *params)
+    rows = Rows(features_lib.rebuilt(static, params), q, v, mask, gate, blocks.chunk)
+    chip = None
+    if blocks.feature_map:  # the kernels compute the features; the projection's gradient comes back through p
+      lq, lk, chip, to_kernel = on_chip(rows, q, k, params)  # rows of q and k where the log features are read
+      _, p_vjp = jax.vjp(to_kernel, params[0])
+    else:
+      (lq, lk), features_vjp = jax.vjp(logs, q, k, *params)
     vv = rows.value_rows(v)
     gate_rows = None if gate is None else _gate_rows(rows.gate, blocks.chunk)
-    mu, s, z = _prefix_states(lk, vv, gate_rows, blocks)
-    dnum = rows.of(dnum.astype(jnp.float32), 0.0, rows.ep)
-    dden = rows.of(dden.astype(jnp.float32), 0.0)
-    r, length, f = lq.shape
-    e, bf, nc = vv.shape[-1], blocks.block_f, length // blocks.chunk
-    seen = rows.seen
-    ms = jnp.where(seen, kern.safe(rows.of(scale, NEG_INF)), 0.0)
-    mq = jnp.where(seen, ms, jnp.inf)  # rows that see no key have no terms: leave them out of ν
+    mu, s, z = _prefix_states(lk, vv, gate_rows, blocks, chip)
+    dnum, dden = rows.of(dnum.astype(jnp.float32), 0.0, rows.ep), rows.of(dden.astype(jnp.float32), 0.0)
+    r, length = lq.shape[:2]
+    f = lq.shape[-1] if chip is None else chip.p.shape[1]
+    e, bf, nc, c_rows = vv.shape[-1], blocks.block_f, length // blocks.chunk, blocks.chunk
+    ms = jnp.where(rows.seen, kern.safe(rows.of(scale, NEG_INF)), 0.0)
+    mq = jnp.where(rows.seen, ms, jnp.inf)  # rows that see no key have no terms: leave them out of ν
     seq = _seq_specs(length, e)
     gated = () if gate_rows is None else gate_rows[1:2]  # b
-    nu, rr, rz = _call(kern.suffix_kernel, (r, f // bf), [seq["feat"](bf), seq["row"], seq["val"], seq["row"]]
+    ins, extra, more = [seq["feat"](bf)], [], []
+    if chip is not None:
+      (extra, more), ins = chip.ins("q", length, bf, seq=True), [chip.x_spec(length, seq=True)]
+    nu, rr, rz = _call(kern.suffix_kernel, (r, f // bf), ins + [seq["row"], seq["val"], seq["row"]] + extra
                        + [seq["row"]] * len(gated), _state_specs(nc, bf, e),
-                       _f32((r, nc, f), (r, nc, f, e), (r, nc, f)), blocks, n_chunks=nc)(lq, mq, dnum, dden, *gated)
-    v_in, v = v, vv
-    sp = _chunk_specs(blocks.chunk, f, e)
+                       _f32((r, nc, f), (r, nc, f, e), (r, nc, f)), blocks, n_chunks=nc,
+                       scale=None if chip is None else blocks.x_scale)(lq, mq, dnum, dden, *more, *gated)
+    sp = _chunk_specs(c_rows, f, e)
     gated = () if gate_rows is None else gate_rows  # g, b, e
+    x_specs, x_shape, extra, more, dp_out = [sp["feat"]] * 2, (r, length, f), [], [], []
+    if chip is not None:
+      (extra, more), x_specs, x_shape = chip.ins("qk", c_rows, f, seq=False), [chip.x_spec(c_rows, False)] * 2, lq.shape
+      if project:  # the projection's gradient per chunk (and FAVOR++'s normaliser's: it depends on ω)
+        d = lq.shape[-1]
+        dp_out = [(_spec((None, None, f, d), lambda i, c: (i, c, 0, 0)), (r, nc, f, d))]
+        if blocks.feature_map in fused_rows.PER_ROW_MAPS:
+          dp_out.append((_spec((None, None, f), lambda i, c: (i, c, 0)), (r, nc, f)))
     dlq, dlk, dv, *dg = _call(
         kern.grads_kernel, (r, nc),
-        [sp["feat"], sp["feat"], sp["val"], sp["row"], sp["val"], sp["row"], sp["vec"], sp["mat"], sp["vec"],
-         sp["vec"], sp["mat"], sp["vec"]] + [sp["row"]] * len(gated),
-        [sp["feat"], sp["feat"], sp["val"]] + [sp["row"]] * (gate is not None),
-        _f32(lq.shape, lk.shape, v.shape, *[(r, length)] * (gate is not None)),
-        blocks)(lq, lk, v, ms, dnum, dden, mu, s, z, nu, rr, rz, *gated)
+        x_specs + [sp["val"], sp["row"], sp["val"], sp["row"], sp["vec"], sp["mat"], sp["vec"],
+                   sp["vec"], sp["mat"], sp["vec"]] + extra + [sp["row"]] * len(gated),
+        x_specs + [sp["val"]] + [sp["row"]] * (gate is not None) + [spec for spec, _ in dp_out],
+        _f32(x_shape, x_shape, vv.shape, *[(r, length)] * (gate is not None), *[shape for _, shape in dp_out]),
+        blocks, scale=None if chip is None else blocks.x_scale, project=bool(dp_out),
+    )(lq, lk, vv, ms, dnum, dden, mu, s, z, nu, rr, rz, *more, *gated)
     # Masked keys (ℓk = −∞) and padded features get exactly zero gradient already.
-    dq, dk, *dparams = features_vjp((dlq, dlk))
-    dv = fused_rows.transpose(rows.value_rows, v_in, dv.astype(v_in.dtype))
+    if chip is None:
+      dq, dk, *dparams = features_vjp((dlq, dlk))
+    else:
+      of_x = lambda x: rows.of(x, 0.0, lq.shape[-1])
+      dq = fused_rows.transpose(of_x, q, dlq.astype(q.dtype))
+      dk = fused_rows.transpose(of_x, k, dlk.astype(k.dtype))
+      dparams = [None, None if params[1] is None else jnp.zeros_like(params[1])]  # ρ held constant
+      if dp_out:
+        per_group = lambda x, g: x.sum(1).reshape((-1, g) + x.shape[2:]).sum(0)  # rows (n, h) -> groups
+        dfb = per_group(dg.pop(), chip.fb.shape[0]) if len(dp_out) == 2 else jnp.zeros_like(chip.fb)
+        dparams[0] = p_vjp((per_group(dg.pop(), chip.p.shape[0]), dfb))[0]
+    dv = fused_rows.transpose(rows.value_rows, v, dv.astype(v.dtype))
     dg = fused_rows.transpose(rows.gate_rows, gate, dg[0]) if dg else None
     return dq, dk, dv, dg, tuple(dparams)
 
   return fused_rows.Program(forward, backward)
-
-
-
-
 
 
 # Launch choices on a GPU, the fastest of the block-size sweep (experiments/configs/blocks.py) on an H200 in
@@ -320,9 +278,8 @@ def call_blocks(blocks: Blocks, q, k, v, gate, precision, features=None) -> Bloc
   precision = _precision(precision)
   if features is not None:
     f = jax.eval_shape(lambda: head_major(features, q, k)[0].log).shape[-1]
-    name = fused_rows.feature_map(features)  # maps of one projection for every row (per-row ones: from XLA)
-    blocks = blocks._replace(block_f=min(blocks.block_f, _pow2(f)), x_scale=q.shape[-1] ** -0.25,
-                             feature_map=None if name in fused_rows.PER_ROW_MAPS else name)
+    blocks = blocks._replace(block_f=min(blocks.block_f, pow2(f)), x_scale=q.shape[-1] ** -0.25,
+                             feature_map=fused_rows.feature_map(features))
   low = jnp.result_type(q, k, v) == jnp.bfloat16 and precision in (None, jax.lax.Precision.DEFAULT)
   return blocks._replace(operands="bfloat16" if low else "float32", gated=gate is not None, precision=precision)
 

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from favor_jax.core.fused.rows import as_operand
+from favor_jax.core.fused.rows import PER_ROW_MAPS, SCALED_MAPS, as_operand
 from favor_jax.core.state import SAFE_GAP
 
 NEG_INF = -jnp.inf
@@ -64,31 +64,50 @@ def dot(a, b, blocks, trans_a=False, trans_b=False, state=False):
 
 class LogRows:
   """Log features computed from rows of q or k where they are read, indexed as the features XLA computes
-  ([rows, features]): u·x[rows]·p[features]ᵀ − ‖u·x[rows]‖²/2 + fb[features] + bias[rows], x the rows [L, D] in
-  their dtype, p the projection rows [F, D], fb the log-normaliser [F] (−∞: padded features), bias [L] (−∞:
-  masked keys and padded positions), u = d^{-1/4}; products in float32 (``dot``'s state products)."""
+  ([rows, features]): xs[rows]·p[features]ᵀ − ‖xs[rows]‖²/2 + fb[features] + bias[rows], xs = u·x, x the rows
+  [L, D] in their dtype, p the projection rows [F, D], fb the log-normaliser [F] (−∞: padded features), bias
+  [L] (−∞: masked keys and padded positions), u = d^{-1/4} or the row's scales [D] (``u_ref``: FAVOR#);
+  products in float32 (``dot``'s state products)."""
 
-  def __init__(self, x_ref, p_ref, fb_ref, bias_ref, scale, blocks):
-    self.refs, self.scale, self.blocks = (x_ref, p_ref, fb_ref, bias_ref), scale, blocks
+  def __init__(self, x_ref, p_ref, fb_ref, bias_ref, scale, blocks, u_ref=None):
+    self.refs, self.scale, self.blocks, self.u_ref = (x_ref, p_ref, fb_ref, bias_ref), scale, blocks, u_ref
     self.shape = (x_ref.shape[0], p_ref.shape[0])
 
   def __getitem__(self, index):
     rows, features = index if isinstance(index, tuple) else (index, slice(None))
     x_ref, p_ref, fb_ref, bias_ref = self.refs
-    x = x_ref[rows, :].astype(jnp.float32) * self.scale
+    x = self.scaled(rows)
     return (dot(x, p_ref[features, :], self.blocks, trans_b=True, state=True)
             - 0.5 * jnp.sum(x * x, axis=1)[:, None] + fb_ref[features][None, :] + bias_ref[rows][:, None])
+
+  def u(self):
+    return self.scale if self.u_ref is None else self.u_ref[...][None, :]
+
+  def scaled(self, rows=slice(None)):
+    """u·x [rows, D] in float32."""
+    return self.refs[0][rows, :].astype(jnp.float32) * self.u()
+
+  def backprop(self, dl, features, acc):
+    """``acc`` (∂ℓ·p [C, D], Σ_f ∂ℓ [C]) plus one feature block's ∂ℓ [C, bf]; :meth:`to_rows` finishes."""
+    return acc[0] + dot(dl, self.refs[1][features, :], self.blocks, state=True), acc[1] + jnp.sum(dl, axis=1)
+
+  def to_rows(self, acc):
+    """∂x [C, D] = u·(∂ℓ·p − (Σ_f ∂ℓ_f)·u·x) from :meth:`backprop`'s sums (∂ℓ_f/∂x = u·(p_f − u·x))."""
+    return self.u() * (acc[0] - acc[1][:, None] * self.scaled())
 
 
 def on_chip(logs, refs, blocks, scale):
   """``logs`` (the refs of log features a kernel reads first) as :class:`LogRows` where ``scale`` is given:
-  then ``refs`` starts with the projection's and the normaliser's refs and one bias ref per features' ref
-  (the rows of q or k take the places of the features); the rest of ``refs`` after them."""
+  then ``refs`` starts with the projection's and the normaliser's refs, one bias ref per features' ref and,
+  for maps of ``SCALED_MAPS``, one scale ref per features' ref (the rows of q or k take the places of the
+  features; ``fused.gpu_rows.OnChip.ins``); the rest of ``refs`` after them."""
   if scale is None:
     return logs, refs
   p_ref, fb_ref, *refs = refs
-  biases, refs = refs[:len(logs)], refs[len(logs):]
-  return [LogRows(x, p_ref, fb_ref, b, scale, blocks) for x, b in zip(logs, biases)], refs
+  n = len(logs)
+  biases, refs = refs[:n], refs[n:]
+  us, refs = (refs[:n], refs[n:]) if blocks.feature_map in SCALED_MAPS else ([None] * n, refs)
+  return [LogRows(x, p_ref, fb_ref, b, scale, blocks, u) for x, b, u in zip(logs, biases, us)], refs
 
 
 def _rows_cols(c):
@@ -219,9 +238,11 @@ def output_kernel(lq_ref, lk_ref, v_ref, mu_ref, s_ref, z_ref, *refs, blocks, sc
   m_ref[...] = m
 
 
-def suffix_kernel(lq_ref, mq_ref, dnum_ref, dden_ref, *refs, blocks, n_chunks):
+def suffix_kernel(lq_ref, mq_ref, dnum_ref, dden_ref, *refs, blocks, n_chunks, scale=None):
   """Exclusive suffix sums after every chunk: R_c = Σ_{t later} e^{ℓq_t − m_t − ν_c}[dnum_t], rz_c likewise;
-  gated (refs: b): referenced at the chunk's end (b_t: the decay from a chunk's start to row t)."""
+  gated (refs: b): referenced at the chunk's end (b_t: the decay from a chunk's start to row t).
+  ``scale``: features computed from the rows of q (:func:`on_chip`)."""
+  (lq_ref,), refs = on_chip([lq_ref], refs, blocks, scale)
   gate_refs, (nu_ref, r_ref, rz_ref) = _split(refs, 1 if blocks.gated else 0)
   c_rows, bf = blocks.chunk, lq_ref.shape[-1]
 
@@ -239,15 +260,25 @@ def suffix_kernel(lq_ref, mq_ref, dnum_ref, dden_ref, *refs, blocks, n_chunks):
 
 
 def grads_kernel(lq_ref, lk_ref, v_ref, ms_ref, dnum_ref, dden_ref, mu_ref, s_ref, z_ref, nu_ref, r_ref, rz_ref,
-                 *refs, blocks):
+                 *refs, blocks, scale=None, project=False):
   """One chunk's ∂ℓq [C, F], ∂ℓk [C, F], ∂v [C, E] (and gated, refs g, b, e: ∂g [C]) given the cotangents of
-  numerator and denominator.
+  numerator and denominator. ``scale``: features computed from the rows of q and k (:func:`on_chip`), whose
+  ∂q, ∂k [C, D] take the places of ∂ℓq, ∂ℓk (nothing of size C×F written), and ``project``: the chunk's part of
+  the projection rows' gradient, Σ_t ∂ℓq_t ⊗ u·q_t + ∂ℓk_t ⊗ u·k_t [F, D], after the others (maps of
+  ``PER_ROW_MAPS``: then the normaliser's, Σ_t ∂ℓq_t + ∂ℓk_t [F]).
 
   The gate's: with P_tj = ∂loss/∂(term t, j) · (term t, j), ∂g_l = Σ over the pairs j < l ≤ t of P_tj, split
   by where the pair lies: both in the chunk (its rows' sums of P over t ≥ l, less its keys' over j ≥ l), an
   earlier key (row t ≥ l reading the state), a later row (key j < l read by a later chunk), or both outside
   (⟨prefix state, suffix sum⟩ across the chunk); each part a sum of its own pairs."""
+  (lq_ref, lk_ref), refs = on_chip([lq_ref, lk_ref], refs, blocks, scale)
   gate_refs, (dlq_ref, dlk_ref, dv_ref, *dg_ref) = _split(refs, 3 if blocks.gated else 0)
+  db_ref = dg_ref.pop() if project and blocks.feature_map in PER_ROW_MAPS else None
+  dp_ref = dg_ref.pop() if project else None
+  chip = scale is not None
+  if chip:
+    xq, xk = lq_ref.scaled(), lk_ref.scaled()
+    acc_q = acc_k = (jnp.zeros(dlq_ref.shape, jnp.float32), jnp.zeros(dlq_ref.shape[:1], jnp.float32))
   c_rows, f = lq_ref.shape
   fbs = _feature_blocks(f, blocks.block_f)
   _, scale, weights, _ = chunk_scales(lq_ref, lk_ref, mu_ref, gate_refs, fbs, m=ms_ref[...])
@@ -274,8 +305,17 @@ def grads_kernel(lq_ref, lk_ref, v_ref, ms_ref, dnum_ref, dden_ref, mu_ref, s_re
     from_state = dot(dnum, s_ref[fb, :], blocks, trans_b=True, state=True) + dden[:, None] * z_ref[fb][None, :]
     dlq_state = q_state * from_state
     dlk_later = k_later * (dot(v, r_ref[fb, :], blocks, trans_b=True, state=True) + rz_ref[fb][None, :])
-    dlq_ref[:, fb] = dlq_state + q_chunk * dot(g, k_chunk, blocks)
-    dlk_ref[:, fb] = k_chunk * dot(g, q_chunk, blocks, trans_a=True) + dlk_later
+    dlq = dlq_state + q_chunk * dot(g, k_chunk, blocks)
+    dlk = k_chunk * dot(g, q_chunk, blocks, trans_a=True) + dlk_later
+    if chip:
+      acc_q, acc_k = lq_ref.backprop(dlq, fb, acc_q), lk_ref.backprop(dlk, fb, acc_k)
+      if project:
+        dp_ref[fb, :] = (dot(dlq, xq, blocks, trans_a=True, state=True)
+                         + dot(dlk, xk, blocks, trans_a=True, state=True))
+      if db_ref is not None:
+        db_ref[fb] = jnp.sum(dlq, axis=0) + jnp.sum(dlk, axis=0)
+    else:
+      dlq_ref[:, fb], dlk_ref[:, fb] = dlq, dlk
     dv += dot(k_later, r_ref[fb, :], blocks, state=True)
     if gate_refs is not None:
       row_state += jnp.sum(dlq_state, axis=1)
@@ -283,6 +323,8 @@ def grads_kernel(lq_ref, lk_ref, v_ref, ms_ref, dnum_ref, dden_ref, mu_ref, s_re
       inner = jnp.sum(s_ref[fb, :] * r_ref[fb, :], axis=1) + z_ref[fb] * rz_ref[fb]
       across += jnp.sum(jnp.exp(mu + b_end + nu) * inner)  # ≤ 1 each: a product of two states' maxima
   dv_ref[...] = dv + dot(a * weights, dnum, blocks, trans_a=True)
+  if chip:
+    dlq_ref[...], dlk_ref[...] = lq_ref.to_rows(acc_q), lk_ref.to_rows(acc_k)
   if gate_refs is not None:
     pairs = g * a  # P_tj
     l, t = _rows_cols(c_rows)

@@ -13,10 +13,12 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 from jaxtyping import Array
 
 from favor_jax.core import features as features_lib
 from favor_jax.core import kernels as kernels_lib
+from favor_jax.core import statistics
 from favor_jax.core.features import head_major
 from favor_jax.core.state import SAFE_GAP, parts
 
@@ -129,6 +131,28 @@ def projection_rows(projection, name, f_pad, rho_NH=None, d=None):
   return jnp.pad(w, ((0, 0), (0, f_pad - f), (0, 0))), fb.astype(jnp.float32)
 
 
+def on_chip_inputs(name, params, q, f_pad, x_scale):
+  """What the kernels that compute the map ``name``'s features read besides q, k: (``of_projection``, w ->
+  :func:`projection_rows` of this call, its statistic and F = ``f_pad``; the rows' scales (u_q, u_k) [R, 1, D]
+  or None). Maps of ``SCALED_MAPS`` (FAVOR#) scale q and k per (sequence, head) row first: d^{-1/4}·Ψ and
+  d^{-1/4}/Ψ, Ψ from the statistic [N, H, D+1] = (log Ψ, ρ), held constant as in ``kernels.saderf``; the
+  others by ``x_scale`` = d^{-1/4} alone (None).
+
+  Args:
+    name: the map (:func:`feature_map`).
+    params: the features' arrays (projection, statistic or None).
+    q: [N, L, H, D].
+    f_pad: F, the features padded.
+    x_scale: d^{-1/4}.
+  """
+  statistic, scales = params[1], None
+  if name in SCALED_MAPS:
+    log_psi, statistic = statistics.saderf_parts(jax.lax.stop_gradient(params[1]), q)
+    psi = jnp.exp(log_psi).reshape((-1, 1, q.shape[-1]))  # rows (sequence, head), as the projection's
+    scales = (x_scale * psi, x_scale / psi)
+  return (lambda w: projection_rows(w, name, f_pad, statistic, q.shape[-1])), scales
+
+
 def transpose(fn, x, ct):
   """The cotangent of x under the linear map ``fn`` (a :class:`Rows` map) given ``ct`` of its result."""
   return jax.linear_transpose(fn, jax.ShapeDtypeStruct(x.shape, x.dtype))(ct)[0]
@@ -196,9 +220,10 @@ class Program(NamedTuple):
   """One target's fused pass: ``forward(features, q, k, v, gate, mask) -> (num, den, scale[, recomputed])``
   (scale [N, L, H] the rows' log-scales, −∞ where a row sees no key: the only statistic kept for the backward;
   recomputed [N, H] int32 the rows the kernel computed again alone, where it does) and
-  ``backward(features, params, q, k, v, gate, mask, scale, dnum, dden) -> (dq, dk, dv, dgate, dparams)``
-  (``features`` without its arrays, rebuilt from ``params`` there: :func:`favor_jax.core.features.rebuilt`;
-  ``dparams`` as ``params``, None where one is None)."""
+  ``backward(features, params, q, k, v, gate, mask, scale, dnum, dden, *, project) -> (dq, dk, dv, dgate,
+  dparams)`` (``features`` without its arrays, rebuilt from ``params`` there:
+  :func:`favor_jax.core.features.rebuilt`; ``dparams`` as ``params``, None where one is None or, ``project``
+  False, for the projection: nothing differentiates it)."""
   forward: Callable
   backward: Callable
 
@@ -247,11 +272,21 @@ def _platform_forward(programs, static, q, k, v, gate, mask, params):
                                     **{p: branch(prog) for p, prog in programs.items()})
 
 
-def _platform_backward(programs, static, *args):
+def _no_projection(dparams, project):
+  """``dparams`` without the projection's gradient where nothing differentiates it (``project`` False)."""
+  return tuple(dparams) if project or not dparams else (None,) + tuple(dparams[1:])
+
+
+def _platform_backward(programs, static, project, *args):
+  def backward(prog):
+    def run(*args):
+      *grads, dparams = prog.backward(static, *args, project=project)
+      return (*grads, _no_projection(dparams, project))
+    return run
+
   if isinstance(programs, Program):
-    return programs.backward(static, *args)
-  return jax.lax.platform_dependent(*args, **{p: functools.partial(prog.backward, static)
-                                               for p, prog in programs.items()})
+    return backward(programs)(*args)
+  return jax.lax.platform_dependent(*args, **{p: backward(prog) for p, prog in programs.items()})
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
@@ -260,25 +295,31 @@ def _run(programs, redo, static, q, k, v, gate, mask, *params):
 
 
 def _run_fwd(programs, redo, static, q, k, v, gate, mask, *params):
+  # Whether the projection (the features' first array) is differentiated: kept as the residuals' structure,
+  # () or None (no array), so the backward knows it while tracing and leaves its gradient out where not.
+  project = () if params and isinstance(params[0], CustomVJPPrimal) and params[0].perturbed else None
+  q, k, v, gate, mask, params = jax.tree.map(lambda x: x.value, (q, k, v, gate, mask, params),
+                                             is_leaf=lambda x: isinstance(x, CustomVJPPrimal))
   q, k, v, gate, params = jax.tree.map(first_order_only, (q, k, v, gate, params))  # 2nd derivative: error
   out, scale, lost = _forward(programs, redo, static, q, k, v, gate, mask, params)
-  return out, (q, k, v, gate, mask, params, scale, lost)
+  return out, (q, k, v, gate, mask, params, scale, lost, project)
 
 
 def _run_bwd(programs, redo, static, res, cts):
-  res, cts = jax.tree.map(first_order_only, (res, cts))
-  q, k, v, gate, mask, params, scale, lost = res
-  dnum, dden = cts[:2]  # the scale is a constant (as in the XLA pass), the count an integer
+  # The scale is a constant (as in the XLA pass), the count an integer; a cotangent not given is a zero.
+  cts = tuple(jnp.zeros(ct.shape, ct.dtype) if isinstance(ct, SymbolicZero) else ct for ct in cts[:2])
+  (q, k, v, gate, mask, params, scale, lost, project), (dnum, dden) = jax.tree.map(first_order_only, (res, cts))
+  project = project is not None
 
   def fused():
-    return tuple(_platform_backward(programs, static, params, q, k, v, gate, mask, scale, dnum, dden))
+    return tuple(_platform_backward(programs, static, project, params, q, k, v, gate, mask, scale, dnum, dden))
 
   def again():
     def call(q, k, v, gate, *params):
       return tuple(redo(features_lib.rebuilt(static, params), q, k, v, gate, mask))[:2]
     _, vjp = jax.vjp(call, q, k, v, gate, *params)
     dq, dk, dv, dg, *dparams = vjp((dnum, dden))
-    return dq, dk, dv, dg, tuple(dparams)
+    return dq, dk, dv, dg, _no_projection(dparams, project)
 
   if redo is None:
     dq, dk, dv, dg, dparams = fused()
@@ -287,7 +328,7 @@ def _run_bwd(programs, redo, static, res, cts):
   return (dq, dk, dv, dg, None, *dparams)
 
 
-_run.defvjp(_run_fwd, _run_bwd)
+_run.defvjp(_run_fwd, _run_bwd, symbolic_zeros=True)
 
 
 def xla_redo(fallback, chunk: int):

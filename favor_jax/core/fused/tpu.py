@@ -49,13 +49,11 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from favor_jax.core import features as features_lib
-from favor_jax.core import statistics
 from favor_jax.core.features import exponential_features, head_major
 from favor_jax.core.fused import rows as fused_rows
 from favor_jax.core.fused.tpu_bodies import (
   NEG_INF,
   PER_ROW_MAPS,
-  SCALED_MAPS,
   Config,
   dk_body,
   dq_body,
@@ -164,17 +162,10 @@ def program(cfg: Config) -> fused_rows.Program:
   (recomputed from q, k and the projection for the backward). Kept between forward and backward: the inputs
   and the row scales."""
   def projection_rows(features, params, q, k):
-    """w -> (p, fb) of :func:`~favor_jax.core.fused.rows.projection_rows` for this call (its map, padded width
-    and statistic), F, and the rows' scales of q and k as inputs (maps of ``SCALED_MAPS``; FAVOR#: d^{-1/4}·Ψ
-    and d^{-1/4}/Ψ, Ψ from the statistic [N, H, D+1] = (log Ψ, ρ), held constant as in ``kernels.saderf``) or
-    none."""
+    """(w -> (p, fb), F, the rows' scales of q and k as inputs or none): ``fused.rows.on_chip_inputs``."""
     f_pad = -(-jax.eval_shape(lambda: head_major(features, q, k)[0].log).shape[-1] // LANE) * LANE
-    statistic, scales = params[1], []
-    if cfg.feature_map in SCALED_MAPS:
-      log_psi, statistic = statistics.saderf_parts(jax.lax.stop_gradient(params[1]), q)
-      psi = jnp.exp(log_psi).reshape((-1, 1, q.shape[-1]))  # rows (sequence, head), as the projection's
-      scales = [("u", cfg.x_scale * psi), ("u", cfg.x_scale / psi)]
-    return lambda w: fused_rows.projection_rows(w, cfg.feature_map, f_pad, statistic, q.shape[-1]), f_pad, scales
+    of_projection, scales = fused_rows.on_chip_inputs(cfg.feature_map, params, q, f_pad, cfg.x_scale)
+    return of_projection, f_pad, [("u", u) for u in scales or ()]
 
   def on_chip(rows, q, k, mask, p, fb, scales):
     key_bias = fused_rows.key_bias(mask, q.shape[2])
@@ -201,7 +192,7 @@ def program(cfg: Config) -> fused_rows.Program:
     return (rows.back(num), rows.back(den[..., 0]), rows.back(jnp.where(rows.seen, m[..., 0], NEG_INF)),
             recomputed)
 
-  def backward(static, params, q, k, v, gate, mask, scale, dnum, dden):
+  def backward(static, params, q, k, v, gate, mask, scale, dnum, dden, *, project=True):
     features = features_lib.rebuilt(static, params)
     rows = fused_rows.prepare(features, q, k, v, mask, gate, chunk=cfg.chunk, lane=LANE)
     vv = rows.value_rows(v)
@@ -209,7 +200,7 @@ def program(cfg: Config) -> fused_rows.Program:
     ms = jnp.where(rows.seen, finite_offset(rows.of(scale, NEG_INF)), jnp.inf)[..., None]  # rows without terms: none
     dy = [("e", rows.of(dnum.astype(jnp.float32), 0.0)), ("1", rows.of(dden.astype(jnp.float32), 0.0)[..., None])]
     if cfg.feature_map:
-      return on_chip_backward(features, params, rows, q, k, v, gate, mask, vv, ms, dy)
+      return on_chip_backward(features, params, rows, q, k, v, gate, mask, vv, ms, dy, cfg._replace(project=project))
 
     def logs(q, k, *params):
       features = features_lib.rebuilt(static, params)
@@ -231,24 +222,27 @@ def program(cfg: Config) -> fused_rows.Program:
       dg = fused_rows.transpose(rows.gate_rows, gate, fused_rows.gate_grad(dg_rows, rows.gate))
     return dv, dg
 
-  def on_chip_backward(features, params, rows, q, k, v, gate, mask, vv, ms, dy):
+  def on_chip_backward(features, params, rows, q, k, v, gate, mask, vv, ms, dy, cfg):
     of_projection, f, scales = projection_rows(features, params, q, k)
     (p, fb), p_vjp = jax.vjp(of_projection, params[0])  # the kernels' projection rows, and their map back to ω
     x_ins, extra = on_chip(rows, q, k, mask, p, fb, scales)
     length, e, d, groups = vv.shape[1], vv.shape[-1], q.shape[-1], p.shape[0]
     ins = ins_of(x_ins, vv, extra, rows.gate) + [("1", ms)] + dy
-    per_row = cfg.feature_map in PER_ROW_MAPS  # the normaliser's gradient too (it depends on the projection)
-    grads = ([("x", jnp.float32), ("P", jnp.float32)] + ([("b", jnp.float32)] if per_row else [])
-             + ([("1", jnp.float32)] if cfg.gated else []))
-    dq_rows, dpq, *q_rest = _call(dq_body, cfg, length, f, e, ins, grads, d=d, groups=groups)
-    dk_rows, dpk, *k_rest, dvv = _call(dk_body, cfg, length, f, e, ins, grads + [("e", jnp.float32)],
-                                       reverse=True, d=d, groups=groups)
+    per_row = cfg.project and cfg.feature_map in PER_ROW_MAPS  # the normaliser's too (it depends on ω)
+    grads = ([("x", jnp.float32)] + [("P", jnp.float32)] * cfg.project + [("b", jnp.float32)] * per_row
+             + [("1", jnp.float32)] * cfg.gated)
+    dq_rows, *q_rest = _call(dq_body, cfg, length, f, e, ins, grads, d=d, groups=groups)
+    dk_rows, *k_rest, dvv = _call(dk_body, cfg, length, f, e, ins, grads + [("e", jnp.float32)],
+                                  reverse=True, d=d, groups=groups)
     of_x = lambda x: rows.of(x, 0.0)
     dq = fused_rows.transpose(of_x, q, dq_rows.astype(q.dtype))
     dk = fused_rows.transpose(of_x, k, dk_rows.astype(k.dtype))
-    dp = (dpq + dpk).reshape((-1, groups) + dpq.shape[1:]).sum(0)  # [G, F, D]: rows are (sequence, head)
-    dfb = (q_rest.pop(0) + k_rest.pop(0)) if per_row else None
-    (dproj,) = p_vjp((dp, jnp.zeros_like(fb) if dfb is None else dfb))
+    dproj = None
+    if cfg.project:
+      dpq, dpk = q_rest.pop(0), k_rest.pop(0)
+      dp = (dpq + dpk).reshape((-1, groups) + dpq.shape[1:]).sum(0)  # [G, F, D]: rows are (sequence, head)
+      dfb = (q_rest.pop(0) + k_rest.pop(0)) if per_row else None
+      (dproj,) = p_vjp((dp, jnp.zeros_like(fb) if dfb is None else dfb))
     dg = None if gate is None else q_rest[0][..., 0] - k_rest[0][..., 0]
     drho = None if params[1] is None else jnp.zeros_like(params[1])  # held constant (kernels.oprf_affine)
     return (dq, dk, *finish(rows, v, gate, dvv, dg), (dproj, drho))

@@ -31,6 +31,7 @@ class Config(NamedTuple):
   gated: bool
   feature_map: str | None = None  # the kernel record's ``fused_map``: features computed on chip; None: read
   x_scale: float = 1.0  # d^{-1/4}: the on-chip features scale q and k first, as XLA's (``statistics.scaled``)
+  project: bool = True  # the backward gives the projection's gradient (on chip; False: nothing differentiates it)
 
 
 def finite_offset(x):
@@ -163,11 +164,16 @@ def _features_grad(dl, xs, u, p, outs, cfg, first):
   projection's ∂p [F, D] += ∂ℓᵀ xs accumulated over the
   row's chunks (resident: its block does not move along the chunk axis; zeroed at the row's ``first`` chunk); a
   per-row normaliser's ∂fb [1, F] += Σ_t ∂ℓ_t the same way (maps of ``PER_ROW_MAPS``); Σ_f ∂ℓ_f [C, 1] (gated:
-  the gates' gradient)."""
-  dx_ref, dp_ref, *rest = outs
-  db_ref = rest.pop(0) if cfg.feature_map in PER_ROW_MAPS else None
+  the gates' gradient); neither ∂p nor ∂fb where ``cfg.project`` is False."""
+  dx_ref, *rest = outs
+  dp_ref = rest.pop(0) if cfg.project else None
+  db_ref = rest.pop(0) if cfg.project and cfg.feature_map in PER_ROW_MAPS else None
   total = jnp.sum(dl, axis=1, keepdims=True)
   dx_ref[...] = (u * (_dot(dl, p, "nn", cfg, state=True) - total * xs)).astype(dx_ref.dtype)
+  if cfg.gated:
+    rest[0][...] = total
+  if dp_ref is None:
+    return
 
   @pl.when(first)
   def _():
@@ -178,8 +184,6 @@ def _features_grad(dl, xs, u, p, outs, cfg, first):
   dp_ref[...] += _dot(dl, xs, "tn", cfg, state=True)
   if db_ref is not None:
     db_ref[...] += jnp.sum(dl, axis=0, keepdims=True)
-  if cfg.gated:
-    rest[0][...] = total
 
 
 def _row(x, t):
