@@ -215,7 +215,7 @@ def test_the_triton_kernels_compute_the_features_themselves_forward_and_backward
   qkv = jax.ShapeDtypeStruct((b, length, h, d), jnp.bfloat16)
   fn = lambda q, k, v, p: core.favor_attention(q, k, v, p, causal=True, causal_method="pallas")
   loss = lambda *x: jnp.sum(fn(*x).astype(jnp.float32) ** 2)
-  for what, program, results in (("forward", fn, 3), ("∂q, ∂k, ∂v", jax.grad(loss, argnums=(0, 1, 2)), 3),
+  for what, program, results in (("forward", fn, 4), ("∂q, ∂k, ∂v", jax.grad(loss, argnums=(0, 1, 2)), 3),
                                  ("∂q, ∂k, ∂v, ∂ω", jax.grad(loss, argnums=(0, 1, 2, 3)), 4)):
     text = jax.jit(program).trace(qkv, qkv, qkv, jax.ShapeDtypeStruct((m, d), jnp.float32)).lower(
         lowering_platforms=("cuda",)).as_text()
@@ -225,7 +225,7 @@ def test_the_triton_kernels_compute_the_features_themselves_forward_and_backward
     assert not [d_ for d_ in dims if str(length) in d_ and str(m) in d_], f"{what}: an array of the features"
     calls = [line for line in text.splitlines() if TRITON in line]
     assert calls and all(f"tensor<{b * h}x{length}x{d}xbf16>" in line for line in calls), what
-    last = calls[-1][calls[-1].rindex("->"):]  # the last kernel's results: the outputs, or ∂q, ∂k, ∂v(, ∂ω)
+    last = calls[-1][calls[-1].rindex("->"):]  # the last kernel's results: num, den, m, recomputed; ∂q, ∂k, ∂v(, ∂ω)
     assert len(re.findall(r"tensor<", last)) == results, (what, last)
 
 

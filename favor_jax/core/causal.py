@@ -172,8 +172,8 @@ def pallas(features, q, k, v, mask, *, chunk_size: int = 64, return_scale: bool 
            gate=None, precision=None):
   """The chunked pass as fused Pallas kernels, Mosaic on a TPU and Triton on a GPU (chosen where lowered),
   interpreted on a CPU (:func:`interpreted_target`); rows that lost their terms in a chunk's product computed
-  again alone inside the Mosaic kernels, the call redone by the XLA chunked pass where the Triton kernels
-  lose one (or a row is still lost). ``divide``: the output num/den only, as :func:`chunked` gives it.
+  again alone inside the kernels, the call redone by the XLA chunked pass where a row is still lost (none is
+  expected). ``divide``: the output num/den only, as :func:`chunked` gives it.
 
   Raises:
     ValueError: features that are not pure exponentials, a chunk that is not a power of two >= 16, or

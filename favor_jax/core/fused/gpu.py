@@ -9,30 +9,34 @@ every stabiliser taken from keys a row may see:
   per-feature maximum over those keys (rescaled when it grows, as online softmax does);
 - ``output_kernel`` (one program per (sequence·head, chunk)): row t's scale m_t = max(max_f ℓq_tf + μ_f,
   max_f ℓq_tf + λ_f), λ the chunk's own key maximum, then numerator and denominator times e^{−m_t}: the
-  state read out, plus the chunk's own lower-triangular [C, C] product;
+  state read out, plus the chunk's own lower-triangular [C, C] product; a row that lost its terms in that
+  product computed again alone (below);
 - backward: ``suffix_kernel`` (chunks in reverse) sums e^{ℓq_t − m_t} [dnum_t, dden_t] over later chunks,
   stabilised by its own running maximum ν; ``grads_kernel`` (per chunk) gives ∂ℓq, ∂ℓk, ∂v from the
   prefix and suffix states and the chunk's own products. The scales are constants under ``grad``, as in
-  the XLA pass. For the maps of one projection for every row (``Kernel.fused_map`` positive and
-  hyperbolic, ``fused.rows.feature_map``) every kernel computes the log features from the rows of q and k
-  in their dtype, the projection and the normaliser where it reads them (``gpu_bodies.LogRows``: nothing of
-  size L×F in either program; ``grads_kernel`` gives ∂q, ∂k and, where the projection is differentiated, its
-  gradient per chunk); for the other exponential maps XLA computes them (the kernel's own
-  ``log_features``, recomputed for the backward from q and k). The custom VJP keeps the inputs and the row
-  scales.
+  the XLA pass. For the maps whose kernel record says how (``Kernel.fused_map``: positive, hyperbolic,
+  FAVOR++ and FAVOR# with their statistic; ``fused.rows.feature_map``) every kernel computes the log
+  features from the rows of q and k in their dtype, the projection, the normaliser (and FAVOR#'s scales) where
+  it reads them (``gpu_bodies.LogRows``: nothing of size L×F in either program; ``grads_kernel`` gives ∂q, ∂k
+  and, where the projection is differentiated, its gradient per chunk); for the other exponential maps XLA
+  computes them (the kernel's own ``log_features``, recomputed for the backward from q and k). The custom VJP
+  keeps the inputs and the row scales.
 
 Forget gates (``gate``, log f ≤ 0, −∞ a reset; packed segments arrive as −∞ gates): before key t joins,
 the state decays by e^{g_t}, as in the XLA pass. The states carry the decay in their log-scale μ (each chunk's
 keys referenced to its end); a row reads the state before its chunk at μ + b_t (b_t: the gates from the
-chunk's start to t) and its chunk's own products times e^{D_tj}, D_tj = Σ_{j<l≤t} g_l; its scale m_t takes
-the decayed state maximum, and the chunk's undecayed key maximum, which bounds every gated term of the chunk
-and is at most the chunk's key spread above the row's own term. The gate's gradient is a sum over the
+chunk's start to t) and its chunk's own products times e^{D_tj} ≤ 1, D_tj = Σ_{j<l≤t} g_l; its scale m_t
+takes the decayed state maximum and the chunk's undecayed key maximum. The gate's gradient is a sum over the
 pairs (j, t) each gate separates (see ``grads_kernel``).
 
 m_t may exceed the row's largest term s_t when a later key in the chunk raised λ (or, gated, when its
 nearer keys decayed); then every term of row t is scaled by e^{−(m_t − s_t)}. The denominator is at least
-that factor (its largest term), so a row whose denominator falls below e^{−SAFE_GAP} is detected, and the
-whole call is redone by the XLA chunked pass, which handles it exactly: never a silent zero. Shape letters:
+that factor (its largest term), so a row whose denominator falls below e^{−SAFE_GAP} is detected and
+computed again alone inside ``output_kernel`` at its exact scale (``gpu_bodies.recompute_lost``: O(C·F) per
+such row, under a ``cond`` a chunk without one never enters), and ``grads_kernel`` adds the same rows'
+terms alone (it knows them by m_t lying far below the chunk's one-product scale): a lost row costs its own
+terms, not the call. The count is returned (``return_recomputed``); a row still lost after that (none is
+expected) redoes the call by the XLA chunked pass (a net: never a silent zero). Shape letters:
 see :mod:`favor_jax.core`; here R = N·H rows of (sequence, head), c chunks, C rows per chunk, F features
 (padded to a power of two), E value width (padded likewise).
 """
@@ -134,11 +138,12 @@ def _forward(lq, lk, v, gate_rows, blocks, chip=None):
   ins, extra, more = [sp["feat"], sp["feat"]], [], []
   if chip is not None:
     (extra, more), ins = chip.ins("qk", blocks.chunk, f, seq=False), [chip.x_spec(blocks.chunk, seq=False)] * 2
-  num, den, m = _call(
+  num, den, m, redone = _call(
       kern.output_kernel, (r, nc), ins + [sp["val"], sp["vec"], sp["mat"], sp["vec"]] + extra
-      + [sp["row"]] * len(gated), [sp["val"], sp["row"], sp["row"]], _f32((r, length, e), (r, length), (r, length)),
+      + [sp["row"]] * len(gated), [sp["val"], sp["row"], sp["row"], sp["row"]],
+      _f32((r, length, e), (r, length), (r, length), (r, length)),
       blocks, scale=None if chip is None else blocks.x_scale)(lq, lk, v, mu, s, z, *more, *gated)
-  return (num, den, m), (mu, s, z)
+  return num, den, m, redone
 
 
 def program(blocks: Blocks) -> fused_rows.Program:
@@ -157,11 +162,12 @@ def program(blocks: Blocks) -> fused_rows.Program:
     gate_rows = None if rows.gate is None else _gate_rows(rows.gate, blocks.chunk)
     if blocks.feature_map:  # the kernels compute the features
       q_rows, k_rows, chip, _ = on_chip(rows, q, k, features.params)
-      (num, den, m), _ = _forward(q_rows, k_rows, rows.value_rows(v), gate_rows, blocks, chip)
+      num, den, m, redone = _forward(q_rows, k_rows, rows.value_rows(v), gate_rows, blocks, chip)
     else:
-      (num, den, m), _ = _forward(*rows.log_rows(q, k), rows.value_rows(v), gate_rows, blocks)
+      num, den, m, redone = _forward(*rows.log_rows(q, k), rows.value_rows(v), gate_rows, blocks)
+    recomputed = jnp.sum(redone, axis=1).astype(jnp.int32).reshape(q.shape[0], q.shape[2])
     return (rows.back(num[..., :v.shape[-1]]), rows.back(den),
-            rows.back(jnp.where(rows.seen, jax.lax.stop_gradient(m), NEG_INF)))
+            rows.back(jnp.where(rows.seen, jax.lax.stop_gradient(m), NEG_INF)), recomputed)
 
   def backward(static, params, q, k, v, gate, mask, scale, dnum, dden, *, project=True):
     def logs(q, k, *params):
@@ -285,11 +291,13 @@ def call_blocks(blocks: Blocks, q, k, v, gate, precision, features=None) -> Bloc
 
 
 def causal(features, q, k, v, mask, *, chunk_size: int = 64, blocks: Blocks | None = None,
-           return_scale: bool = False, fallback=None, gate=None, precision=None):
+           return_scale: bool = False, return_recomputed: bool = False, fallback=None, gate=None, precision=None):
   """Causal linear attention through the fused kernels: (numerator [N, L, H, Dv], denominator [N, L, H]).
 
   The contract of :func:`favor_jax.core.causal_xla.chunked` (both times the same per-row factor e^{−scale};
-  ``return_scale`` adds the scale [N, L, H], −∞ where a row sees no key). The feature map must give
+  ``return_scale`` adds the scale [N, L, H], −∞ where a row sees no key; ``return_recomputed`` the number of
+  rows [N, H] int32 the kernels computed again alone, those that lost their terms in their chunk's product).
+  The feature map must give
   pure exponentials, φ = exp(log) with a log per feature (:func:`~favor_jax.core.features.exponential_features`,
   read off the features: e.g. positive, hyperbolic, FAVOR++, FAVOR#, Hedgehog, ELU+1); others (signed or
   polynomial features) raise ``ValueError``: use ``"chunked"``.
@@ -299,10 +307,11 @@ def causal(features, q, k, v, mask, *, chunk_size: int = 64, blocks: Blocks | No
   ``precision``: of every product in the kernels, forward and backward: None (the backend's default: on a GPU
   TF32 for float32 operands, and bfloat16 products of features where every input is bfloat16), or a
   ``jax.lax.Precision`` (HIGHEST: float32 products throughout, bfloat16 inputs included).
-  ``fallback``: the pass that redoes the call where rows lost their terms, called as
+  ``fallback``: the pass that redoes the call where a row still lost its terms after the kernels' own
+  recompute (a net: none is expected), called as
   ``fallback(features, q, k, v, mask, chunk_size=C, return_scale=True, gate=gate)`` (the caller binds
   anything else, e.g. its precision; :mod:`favor_jax.core.causal` gives the XLA chunked pass); None or False
-  (tests only): the fused result even where rows lost their terms.
+  (tests only): the fused result even there.
   """
   blocks = blocks_for(chunk_size) if blocks is None else blocks
   precision = _precision(precision)
@@ -314,7 +323,5 @@ def causal(features, q, k, v, mask, *, chunk_size: int = 64, blocks: Blocks | No
     raise ValueError(f"gate must have shape [N, L, H] = {(n, length, h)}, got {tuple(gate.shape)}")
   blocks = call_blocks(blocks, q, k, v, gate, precision, features)
 
-  # A later key in a row's chunk raised its scale so far that its terms may have left float32's range: redo the
-  # call with the XLA pass, which computes such chunks per token (decided inside one custom VJP: fused.rows.run).
   out = fused_rows.run(program(blocks), fused_rows.xla_redo(fallback, blocks.chunk), features, q, k, v, gate, mask)
-  return out[:3] if return_scale else out[:2]
+  return out[:3 if return_scale else 2] + (out[3:] if return_recomputed else ())

@@ -11,6 +11,7 @@ difference of running sums: no cancellation, and a −∞ gate gives −∞, nev
 
 from __future__ import annotations
 
+import math
 from typing import Any, NamedTuple
 
 import jax
@@ -180,47 +181,99 @@ def _feature_blocks(f, bf):
 
 
 def chunk_scales(lq_ref, lk_ref, mu_ref, gate_refs, fbs, m=None):
-  """(m [C], c [C, 1], W [C, C], unsafe [C] or None): row t's scale m_t, the scale c_t of its chunk products
-  e^{ℓq_t + λ − c_t}·e^{ℓk_j − λ} (λ the chunk's per-feature key maximum) and W, what multiplies them.
-
-  Plain: m_t = c_t = max(max_f(ℓq_tf + μ_f), max_f(ℓq_tf + λ_f)), W the lower triangle's 0/1. Gated (``m``
-  given: the forward's): m_t = max(max_f(ℓq_tf + μ_f) + b_t, min(c_t, max_f ℓq_tf + max_j(max_f ℓk_jf + D_tj))),
-  c_t = max_f(ℓq_tf + λ_f), both bounds of every decayed term of row t (the second one near it when nearer
-  keys decayed), W = e^{D + c − m} (capped at e^{SAFE_GAP}); ``unsafe``: rows where a key has the cap
-  binding (its terms may be lost: marked, the call is redone)."""
+  """(m [C], sc [C], W [C, C], D [C, C]): row t's scale m_t = max(max_f(ℓq_tf + μ_f) + b_t, sc_t) (``m`` given:
+  the forward's, exact for a row it recomputed), sc_t = max_f(ℓq_tf + λ_f) the scale of the chunk's one
+  product (λ its per-feature key maximum, undecayed), D_tj = Σ_{j<l≤t} g_l (0 without gates; −∞ for j > t)
+  and W = e^D. Each factor of a term e^{ℓq_t + λ − m_t}·e^{ℓk_j − λ}·W_tj is ≤ 1; a row whose own terms lie
+  far below e^{m_t} (a later key of the chunk raised λ, or its nearer keys decayed) is recomputed alone
+  (:func:`recompute_lost`)."""
   c_rows = lq_ref.shape[0]
   t, j = _rows_cols(c_rows)
-  if gate_refs is None and m is not None:
-    return m, safe(m)[:, None], (t >= j).astype(jnp.float32), None
-  inter = sc = qmax = jnp.full((c_rows,), NEG_INF, jnp.float32)
-  kmax = jnp.full((c_rows,), NEG_INF, jnp.float32)
+  inter = sc = jnp.full((c_rows,), NEG_INF, jnp.float32)
   for fb in fbs:
-    lq, lk = lq_ref[:, fb], lk_ref[:, fb]
-    inter = jnp.maximum(inter, jnp.max(lq + mu_ref[fb][None, :], axis=1))
-    sc = jnp.maximum(sc, jnp.max(lq + jnp.max(lk, axis=0)[None, :], axis=1))
-    qmax, kmax = jnp.maximum(qmax, jnp.max(lq, axis=1)), jnp.maximum(kmax, jnp.max(lk, axis=1))
-  if gate_refs is None:
-    m = jnp.maximum(inter, sc)
-    return m, safe(m)[:, None], (t >= j).astype(jnp.float32), None
-  d = decay(gate_refs[0][...])
+    lq = lq_ref[:, fb]
+    if m is None:
+      inter = jnp.maximum(inter, jnp.max(lq + mu_ref[fb][None, :], axis=1))
+    sc = jnp.maximum(sc, jnp.max(lq + jnp.max(lk_ref[:, fb], axis=0)[None, :], axis=1))
+  d = jnp.where(t >= j, 0.0, NEG_INF) if gate_refs is None else decay(gate_refs[0][...])
   if m is None:
-    near = qmax + jnp.max(kmax[None, :] + d, axis=1)
-    m = jnp.maximum(inter + gate_refs[1][...], jnp.minimum(sc, near))
-  gain = d + (safe(sc) - safe(m))[:, None]
-  reach = jnp.max(jnp.where(kmax[None, :] == NEG_INF, NEG_INF, gain), axis=1)  # over keys with a term
-  return m, safe(sc)[:, None], jnp.exp(jnp.minimum(gain, SAFE_GAP)), reach > SAFE_GAP
+    m = jnp.maximum(inter + (0.0 if gate_refs is None else gate_refs[1][...]), sc)
+  return m, sc, jnp.exp(d), d
+
+
+def _row_of(x, t):
+  """Row t of x [C(, W)] as [W] (or a scalar): a masked maximum, no dynamic index."""
+  sel = jnp.arange(x.shape[0]) == t
+  return jnp.max(jnp.where(sel[:, None] if x.ndim == 2 else sel, x, NEG_INF), axis=0)
+
+
+def _put(x, t, row):
+  """x [C(, W)] with row t replaced by ``row`` [W] (or a scalar)."""
+  sel = jnp.arange(x.shape[0]) == t
+  return jnp.where(sel[:, None], row[None, :], x) if x.ndim == 2 else jnp.where(sel, row, x)
+
+
+def _exact_terms(t, lq, lk, d, m_t):
+  """Row t's own terms in one feature block at its scale m_t: P [C, bf], P_jf = e^{ℓq_tf + ℓk_jf + D_tj − m_t}
+  as e^{ℓq_tf + λ_tf − m_t}·e^{ℓk_jf + D_tj − λ_tf}, λ_tf = max_{j≤t}(ℓk_jf + D_tj) (its key scale from the keys
+  it sees: both factors ≤ 1 for m_t ≥ max_f(ℓq_tf + λ_tf), nothing overflows)."""
+  keys = lk + _row_of(d, t)[:, None]
+  lam = jnp.max(keys, axis=0)
+  return jnp.exp(keys - safe(lam)[None, :]) * jnp.exp(_row_of(lq, t) + lam - safe(m_t))[None, :]
+
+
+def recompute_lost(lost, lq_ref, lk_ref, v, mu_ref, s_ref, z_ref, b, d, fbs, carry):
+  """(num [C, E], den [C], m [C]) of ``carry`` with each row flagged in ``lost`` [C] computed again alone at
+  its exact scale m_t = max_f(ℓq_tf + max(λ_tf, μ_f + b_t)) (:func:`_exact_terms`; b [C] the gates from the
+  chunk's start, or 0.0): O(C·F) per such row, never entered by a chunk without one (rows with no key in reach
+  get m = −∞, num = den = 0)."""
+  def row(t, carry):
+    def redo(carry):
+      b_t = b if isinstance(b, float) else _row_of(b, t)
+      m_t = jnp.full((), NEG_INF, jnp.float32)
+      for fb in fbs:
+        lq_t, keys = _row_of(lq_ref[:, fb], t), lk_ref[:, fb] + _row_of(d, t)[:, None]
+        m_t = jnp.maximum(m_t, jnp.max(lq_t + jnp.maximum(jnp.max(keys, axis=0), mu_ref[fb] + b_t)))
+      w, num_t, den_t = jnp.zeros(v.shape[:1], jnp.float32), jnp.zeros(v.shape[1:], jnp.float32), 0.0
+      for fb in fbs:
+        w += jnp.sum(_exact_terms(t, lq_ref[:, fb], lk_ref[:, fb], d, m_t), axis=1)
+        q_state = jnp.exp(_row_of(lq_ref[:, fb], t) + mu_ref[fb] + b_t - safe(m_t))
+        num_t += jnp.sum(q_state[:, None] * s_ref[fb, :], axis=0)
+        den_t += jnp.sum(q_state * z_ref[fb])
+      num, den, m = carry
+      return (_put(num, t, num_t + jnp.sum(w[:, None] * v.astype(jnp.float32), axis=0)),
+              _put(den, t, den_t + jnp.sum(w)), _put(m, t, m_t))
+    return jax.lax.cond(_row_of(lost, t) > 0, redo, lambda c: c, carry)
+  return jax.lax.fori_loop(0, lost.shape[0], row, carry)
+
+
+def lost_row_grads(lost, lq, lk, d, m, g0, carry):
+  """(∂ℓq, ∂ℓk [C, bf] of one feature block, the exact weights [C, C]) of ``carry`` plus, for each row t flagged
+  in ``lost`` [C], its own terms P at its scale m_t (:func:`_exact_terms`): ∂ℓq_t += Σ_j g0_tj P_j,
+  ∂ℓk_j += g0_tj P_j, weight_tj += Σ_f P_jf (g0_tj = ∂loss/∂(row t's weight of key j))."""
+  def row(t, carry):
+    def add(carry):
+      dlq, dlk, a = carry
+      p, g_t = _exact_terms(t, lq, lk, d, _row_of(m, t)), _row_of(g0, t)
+      return (_put(dlq, t, _row_of(dlq, t) + jnp.sum(g_t[:, None] * p, axis=0)), dlk + g_t[:, None] * p,
+              _put(a, t, _row_of(a, t) + jnp.sum(p, axis=1)))
+    return jax.lax.cond(_row_of(lost, t) > 0, add, lambda c: c, carry)
+  return jax.lax.fori_loop(0, lost.shape[0], row, carry)
 
 
 def output_kernel(lq_ref, lk_ref, v_ref, mu_ref, s_ref, z_ref, *refs, blocks, scale=None):
-  """One chunk's rows: numerator [C, E], denominator [C] and row scale m [C] (−∞ only if no finite key;
-  see ``chunk_scales``); a gated row whose terms may be lost gets denominator 0 (detected by the caller).
-  ``scale``: features computed from the rows of q and k (:func:`on_chip`)."""
+  """One chunk's rows: numerator [C, E], denominator [C], row scale m [C] (−∞ only if no finite key; see
+  ``chunk_scales``) and 1.0 for a row computed again alone (its denominator fell below e^{−SAFE_GAP} in the
+  chunk's one product: :func:`recompute_lost`), else 0.0. ``scale``: features computed from the rows of q and
+  k (:func:`on_chip`)."""
   (lq_ref, lk_ref), refs = on_chip([lq_ref, lk_ref], refs, blocks, scale)
-  gate_refs, (num_ref, den_ref, m_ref) = _split(refs, 2 if blocks.gated else 0)
+  gate_refs, (num_ref, den_ref, m_ref, redone_ref) = _split(refs, 2 if blocks.gated else 0)
   c_rows, f = lq_ref.shape
   fbs = _feature_blocks(f, blocks.block_f)
-  m, scale, weights, unsafe = chunk_scales(lq_ref, lk_ref, mu_ref, gate_refs, fbs)
-  read = safe(m)[:, None] - (0.0 if gate_refs is None else gate_refs[1][...][:, None])  # the state: at μ + b_t
+  m, _, weights, d = chunk_scales(lq_ref, lk_ref, mu_ref, gate_refs, fbs)
+  b = 0.0 if gate_refs is None else gate_refs[1][...]
+  scale = safe(m)[:, None]
+  read = scale - (0.0 if gate_refs is None else b[:, None])  # the state: at μ + b_t
   num = jnp.zeros(num_ref.shape, jnp.float32)
   den = jnp.zeros((c_rows,), jnp.float32)
   a = jnp.zeros((c_rows, c_rows), jnp.float32)
@@ -232,10 +285,12 @@ def output_kernel(lq_ref, lk_ref, v_ref, mu_ref, s_ref, z_ref, *refs, blocks, sc
     den += jnp.sum(q_state * z_ref[fb][None, :], axis=1)
     a += dot(jnp.exp(lq + lam[None, :] - scale), jnp.exp(lk - safe(lam)[None, :]), blocks, trans_b=True)
   a = as_operand(a * weights, blocks.operands)  # the weights num takes, summed by den
-  num_ref[...] = num + dot(a, v_ref[...], blocks)
-  den = den + jnp.sum(a, axis=1)
-  den_ref[...] = den if unsafe is None else jnp.where(unsafe, 0.0, den)
-  m_ref[...] = m
+  out = (num + dot(a, v_ref[...], blocks), den + jnp.sum(a, axis=1), m)
+  lost = jnp.where((m > NEG_INF) & (out[1] < math.exp(-SAFE_GAP)), 1.0, 0.0)
+  num, den, m = jax.lax.cond(jnp.max(lost) > 0, lambda c: recompute_lost(
+      lost, lq_ref, lk_ref, v_ref[...], mu_ref, s_ref, z_ref, b, d, fbs, c), lambda c: c, out)
+  num_ref[...], den_ref[...], m_ref[...] = num, den, m
+  redone_ref[...] = jnp.where(m > NEG_INF, lost, 0.0)
 
 
 def suffix_kernel(lq_ref, mq_ref, dnum_ref, dden_ref, *refs, blocks, n_chunks, scale=None):
@@ -270,7 +325,11 @@ def grads_kernel(lq_ref, lk_ref, v_ref, ms_ref, dnum_ref, dden_ref, mu_ref, s_re
   The gate's: with P_tj = ∂loss/∂(term t, j) · (term t, j), ∂g_l = Σ over the pairs j < l ≤ t of P_tj, split
   by where the pair lies: both in the chunk (its rows' sums of P over t ≥ l, less its keys' over j ≥ l), an
   earlier key (row t ≥ l reading the state), a later row (key j < l read by a later chunk), or both outside
-  (⟨prefix state, suffix sum⟩ across the chunk); each part a sum of its own pairs."""
+  (⟨prefix state, suffix sum⟩ across the chunk); each part a sum of its own pairs.
+
+  A row the forward recomputed alone (its scale m_t lies more than SAFE_GAP/2 below the chunk's one-product
+  scale: every other row's is at or above it) takes no part in the chunk's products here either; its own
+  terms are added alone (:func:`lost_row_grads`)."""
   (lq_ref, lk_ref), refs = on_chip([lq_ref, lk_ref], refs, blocks, scale)
   gate_refs, (dlq_ref, dlk_ref, dv_ref, *dg_ref) = _split(refs, 3 if blocks.gated else 0)
   db_ref = dg_ref.pop() if project and blocks.feature_map in PER_ROW_MAPS else None
@@ -281,9 +340,10 @@ def grads_kernel(lq_ref, lk_ref, v_ref, ms_ref, dnum_ref, dden_ref, mu_ref, s_re
     acc_q = acc_k = (jnp.zeros(dlq_ref.shape, jnp.float32), jnp.zeros(dlq_ref.shape[:1], jnp.float32))
   c_rows, f = lq_ref.shape
   fbs = _feature_blocks(f, blocks.block_f)
-  _, scale, weights, _ = chunk_scales(lq_ref, lk_ref, mu_ref, gate_refs, fbs, m=ms_ref[...])
+  m, sc, weights, d = chunk_scales(lq_ref, lk_ref, mu_ref, gate_refs, fbs, m=ms_ref[...])
+  lost = jnp.where(sc - m > 0.5 * SAFE_GAP, 1.0, 0.0)
   v, dnum, dden = v_ref[...], dnum_ref[...], dden_ref[...]
-  ms = ms_ref[...][:, None]
+  ms = m[:, None]
   if gate_refs is None:
     read, b_end, k_end = ms, None, 0.0
   else:
@@ -291,14 +351,15 @@ def grads_kernel(lq_ref, lk_ref, v_ref, ms_ref, dnum_ref, dden_ref, mu_ref, s_re
     read, b_end, k_end = ms - b[:, None], jnp.min(b), e[:, None]
     row_state = key_later = jnp.zeros((c_rows,), jnp.float32)
     across = jnp.zeros((), jnp.float32)
-  g = (dot(dnum, v, blocks, trans_b=True, state=True) + dden[:, None]) * weights  # ∂/∂(row t's term j); float32 as ∂den
-  a = jnp.zeros((c_rows, c_rows), jnp.float32)
+  g0 = dot(dnum, v, blocks, trans_b=True, state=True) + dden[:, None]  # ∂/∂(row t's weight of j); float32 as ∂den
+  g = g0 * weights
+  a = a_lost = jnp.zeros((c_rows, c_rows), jnp.float32)
   dv = jnp.zeros(dv_ref.shape, jnp.float32)
   for fb in fbs:
     lq, lk, mu, nu = lq_ref[:, fb], lk_ref[:, fb], mu_ref[fb], nu_ref[fb]
     lam = jnp.max(lk, axis=0)
     q_state = jnp.exp(lq + mu[None, :] - read)
-    q_chunk = jnp.exp(lq + lam[None, :] - scale)
+    q_chunk = jnp.where(lost[:, None] > 0, 0.0, jnp.exp(lq + lam[None, :] - ms))
     k_chunk = jnp.exp(lk - safe(lam)[None, :])
     k_later = jnp.exp(lk + k_end + nu[None, :])  # ≤ 1: ν ≤ −(ℓk + decay) for keys that later rows see
     a += dot(q_chunk, k_chunk, blocks, trans_b=True)
@@ -307,6 +368,8 @@ def grads_kernel(lq_ref, lk_ref, v_ref, ms_ref, dnum_ref, dden_ref, mu_ref, s_re
     dlk_later = k_later * (dot(v, r_ref[fb, :], blocks, trans_b=True, state=True) + rz_ref[fb][None, :])
     dlq = dlq_state + q_chunk * dot(g, k_chunk, blocks)
     dlk = k_chunk * dot(g, q_chunk, blocks, trans_a=True) + dlk_later
+    dlq, dlk, a_lost = jax.lax.cond(jnp.max(lost) > 0, lambda c: lost_row_grads(lost, lq, lk, d, m, g0, c),
+                                    lambda c: c, (dlq, dlk, a_lost))
     if chip:
       acc_q, acc_k = lq_ref.backprop(dlq, fb, acc_q), lk_ref.backprop(dlk, fb, acc_k)
       if project:
@@ -322,11 +385,12 @@ def grads_kernel(lq_ref, lk_ref, v_ref, ms_ref, dnum_ref, dden_ref, mu_ref, s_re
       key_later += jnp.sum(dlk_later, axis=1)
       inner = jnp.sum(s_ref[fb, :] * r_ref[fb, :], axis=1) + z_ref[fb] * rz_ref[fb]
       across += jnp.sum(jnp.exp(mu + b_end + nu) * inner)  # ≤ 1 each: a product of two states' maxima
-  dv_ref[...] = dv + dot(a * weights, dnum, blocks, trans_a=True)
+  a = a * weights + a_lost  # every row's weight of each key of the chunk
+  dv_ref[...] = dv + dot(a, dnum, blocks, trans_a=True)
   if chip:
     dlq_ref[...], dlk_ref[...] = lq_ref.to_rows(acc_q), lk_ref.to_rows(acc_k)
   if gate_refs is not None:
-    pairs = g * a  # P_tj
+    pairs = g0 * a  # P_tj
     l, t = _rows_cols(c_rows)
     from_rows = jnp.sum(pairs, axis=1) + row_state - jnp.sum(pairs, axis=0)  # [t]; the last: keys j = t
     dg_ref[0][...] = (jnp.sum(jnp.where(t >= l, from_rows[None, :], 0.0), axis=1)
