@@ -208,8 +208,8 @@ def test_the_triton_kernels_compute_the_features_themselves_forward_and_backward
   gradient's holds an array with as many elements as the features (the Triton kernels compute them from q, k
   and the projection, forward and backward: ∂q and ∂k come out of the kernel), and their Triton calls read q
   and k in bfloat16. The gradient kernel gives the projection's gradient (one [F, D] per chunk and row) only
-  where the projection is differentiated. Measured 2026-12-06 (``programs.export_traffic``): 4205 B per token
-  and head forward (8664 with XLA's features), 12203 B in the gradient of q, k, v (25085 with XLA's
+  where the projection is differentiated. Measured 2026-12-06 (``programs.export_traffic``): 4209 B per token
+  and head forward (8664 with XLA's features), 12207 B in the gradient of q, k, v (25085 with XLA's
   features in both passes, 20626 with the forward's own)."""
   b, length, h, d, m = (ACCEPT[x] for x in "BLHDM")
   qkv = jax.ShapeDtypeStruct((b, length, h, d), jnp.bfloat16)
