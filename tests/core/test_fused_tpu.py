@@ -367,14 +367,14 @@ def _geo_call(kernel):
 @pytest.mark.slow  # interpreted chunks of 128 rows, three scales, two dtypes: tens of seconds
 @pytest.mark.parametrize("dtype,kernel", [("f32", "positive"), ("bf16", "positive"), ("f32", "hyperbolic"),
                                           ("bf16", "hyperbolic"), ("f32", "optimal_positive"),
-                                          ("f32", "saderf")])  # every map on chip
+                                          ("f32", "saderf"), ("bf16", "saderf")])  # every map on chip
 def test_the_compiled_chunk_geometry_equals_the_explicit_form(kernel, dtype):
   """Chunks of 128 rows (what the TPU runs; features on chip), gates with exact zeros, segment ids with a
   boundary on the chunk edge and inside a chunk, a masked key, ×1/×7/×20, float32 and bfloat16 (the float64
   form of the same rounded inputs): outputs within 1e-5 (float32) / 2e-2 (bfloat16, its operands' rounding)
   of the largest, scaled by the logits' spread s²; gradients in q, k, v, the projection and the gate at ×1.
-  FAVOR++ with a given ρ per sequence and head, FAVOR# with a given Ψ and ρ (their bfloat16 products are
-  FAVOR+'s, checked there)."""
+  FAVOR++ with a given ρ per sequence and head, FAVOR# with a given Ψ and ρ (bfloat16 too: its scales of q and
+  k meet the bfloat16 rows on chip; FAVOR++'s bfloat16 products are FAVOR+'s)."""
   dtype = jnp.float32 if dtype == "f32" else jnp.bfloat16
   rho = {"optimal_positive": jnp.asarray([[0.05, 0.4]]),  # [GEO_B, GEO_H]
          "saderf": jnp.concatenate([0.3 * jax.random.normal(jax.random.PRNGKey(2), (GEO_B, GEO_H, GEO_D)),

@@ -272,8 +272,8 @@ def output_kernel(lq_ref, lk_ref, v_ref, mu_ref, s_ref, z_ref, *refs, blocks, sc
   fbs = _feature_blocks(f, blocks.block_f)
   m, _, weights, d = chunk_scales(lq_ref, lk_ref, mu_ref, gate_refs, fbs)
   b = 0.0 if gate_refs is None else gate_refs[1][...]
-  scale = safe(m)[:, None]
-  read = scale - (0.0 if gate_refs is None else b[:, None])  # the state: at μ + b_t
+  ms = safe(m)[:, None]
+  read = ms - (0.0 if gate_refs is None else b[:, None])  # the state: at μ + b_t
   num = jnp.zeros(num_ref.shape, jnp.float32)
   den = jnp.zeros((c_rows,), jnp.float32)
   a = jnp.zeros((c_rows, c_rows), jnp.float32)
@@ -283,7 +283,7 @@ def output_kernel(lq_ref, lk_ref, v_ref, mu_ref, s_ref, z_ref, *refs, blocks, sc
     q_state = jnp.exp(lq + mu[None, :] - read)
     num += dot(q_state, s_ref[fb, :], blocks, state=True)
     den += jnp.sum(q_state * z_ref[fb][None, :], axis=1)
-    a += dot(jnp.exp(lq + lam[None, :] - scale), jnp.exp(lk - safe(lam)[None, :]), blocks, trans_b=True)
+    a += dot(jnp.exp(lq + lam[None, :] - ms), jnp.exp(lk - safe(lam)[None, :]), blocks, trans_b=True)
   a = as_operand(a * weights, blocks.operands)  # the weights num takes, summed by den
   out = (num + dot(a, v_ref[...], blocks), den + jnp.sum(a, axis=1), m)
   lost = jnp.where((m > NEG_INF) & (out[1] < math.exp(-SAFE_GAP)), 1.0, 0.0)
