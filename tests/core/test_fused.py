@@ -236,20 +236,21 @@ def test_gradients_at_x4_and_x20_in_float32_and_bfloat16_match_the_scan(name):
   2026-12-05 against float64: ∂v 3.2e-5, ∂q 1.9e-5, ∂k 2.6e-6 (the scan's 4e-7, 2.1e-5, 5e-6). Before
   issue 51's item 4 the XLA pass redid these calls."""
   weights = jnp.cos(jnp.arange(B * L * H * DV).reshape(B, L, H, DV))
+
+  def loss(method, q, k, v, proj, mask):
+    out = core.favor_attention(q, k, v, proj, kernel=name, causal=True, key_mask=mask, causal_method=method,
+                               chunk_size=16)
+    return jnp.sum(out.astype(jnp.float32) * weights)
+
+  # compiled once per method (and dtype), not per scale
+  grads = {m: jax.jit(jax.grad(functools.partial(loss, m), argnums=(0, 1, 2, 3))) for m in ("pallas", "scan")}
   for scale in (4.0, 20.0):
     q, k, v, mask = _inputs(scale)
     proj, _ = _params(name, q, k, mask)
-
-    def loss(method, q, k, v, proj):
-      out = core.favor_attention(q, k, v, proj, kernel=name, causal=True, key_mask=mask, causal_method=method,
-                                 chunk_size=16)
-      return jnp.sum(out.astype(jnp.float32) * weights)
-
     for dtype, tol in ((jnp.float32, 1e-5 if scale < 20 else 5e-5), (jnp.bfloat16, 2e-2)):
       args = tuple(x.astype(dtype) for x in (q, k, v))
-      got = jax.jit(jax.grad(functools.partial(loss, "pallas"), argnums=(0, 1, 2, 3)))(*args, proj)
-      ref = jax.jit(jax.grad(functools.partial(loss, "scan"), argnums=(0, 1, 2, 3)))(
-          *(x.astype(jnp.float32) for x in args), proj)
+      got = grads["pallas"](*args, proj, mask)
+      ref = grads["scan"](*(x.astype(jnp.float32) for x in args), proj, mask)
       for g, r, what in zip(got, ref, ("query", "key", "value", "projection")):
         g, r = np.asarray(g, np.float32), np.asarray(r)
         assert np.max(np.abs(r)) > 0, what
@@ -282,12 +283,13 @@ def test_the_triton_backward_from_q_and_k_matches_the_scan_gradients(name):
                                causal_method="scan")
     return jnp.sum(out * cot)
 
+  grads = {n: jax.jit(jax.grad(fused_loss, argnums=tuple(range(n)), has_aux=True)) for n in (3, 4)}  # compiled once
+  reference = jax.jit(jax.grad(scan_loss, argnums=(0, 1, 2, 3)))
   for scale, dtype, tol in ((1.0, jnp.float32, 2e-5), (4.0, jnp.float32, 2e-5), (1.0, jnp.bfloat16, 2e-2)):
-    argnums = (0, 1, 2, 3) if dtype == jnp.float32 else (0, 1, 2)
     args = tuple(x.astype(dtype) for x in (scale * q0, scale * k0, v))
-    got, lost = jax.jit(jax.grad(fused_loss, argnums=argnums, has_aux=True))(*args, proj)
+    got, lost = grads[4 if dtype == jnp.float32 else 3](*args, proj)
     assert lost == 0, f"×{scale}: the fused backward itself must be what is checked"
-    want = jax.jit(jax.grad(scan_loss, argnums=argnums))(*(x.astype(jnp.float32) for x in args), proj)
+    want = reference(*(x.astype(jnp.float32) for x in args), proj)
     for what, a, b in zip(("query", "key", "value", "projection"), got, want):
       a, b = np.asarray(a, np.float32), np.asarray(b)
       assert np.max(np.abs(b)) > 0, what
