@@ -437,14 +437,14 @@ def test_decoding_equals_the_explicit_form_at_every_scale(window, dtype):
     decode = jax.jit(lambda state, q, k, v, mask, rho, chunk_size: core.favor_decode_step(
         state, q, k, v, proj, kernel=name, window=window, key_mask=mask, chunk_size=chunk_size,
         **({} if rho is None else {"rho": rho})), static_argnames="chunk_size")
+    hybrid = jax.jit(lambda q, k, v, extra: core.hybrid_attention(  # compiled once per kernel, not per scale
+        q, k, v, proj, kernel=name, window=window, causal=True, key_mask=mask, **extra))
     for scale in SCALES:
       q, k, vv = (x.astype(dtype) for x in (scale * q0, scale * k0, v))
       rho = _rho(name, q, k, mask)
       extra = {} if rho is None else {"rho": rho}
       if window:
-        want = np.asarray(jax.jit(lambda q, k, v, extra: core.hybrid_attention(
-            q, k, v, proj, kernel=name, window=window, causal=True, key_mask=mask, **extra))(q, k, vv, extra),
-            np.float64)
+        want = np.asarray(hybrid(q, k, vv, extra), np.float64)
       else:
         want = explicit(name, q, k, vv, proj, rho, mask, causal=True)[0]
       state = core.favor_decode_init(q[:, :1], vv[:, :1], proj, kernel=name, window=window)
