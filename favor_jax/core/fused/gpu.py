@@ -151,17 +151,17 @@ def program(blocks: Blocks) -> fused_rows.Program:
   (forward); the prefix states recomputed, the suffix states and the gradients (backward). Kept between them:
   the inputs and the row scales (not the features, F/D·4/itemsize times the inputs, nor the chunk states,
   F·E floats per chunk and row)."""
-  def on_chip(rows, q, k, params):
-    """(q rows, k rows, :class:`~favor_jax.core.fused.gpu_rows.OnChip`, the map ω -> (p, fb))."""
+  def to_kernel(rows, q, params):
+    """(the map ω -> (p, fb) the kernels read, the rows' scales of q and k or None)."""
     of_projection, scales = fused_rows.on_chip_inputs(blocks.feature_map, params, q, rows.fp, blocks.x_scale)
-    to_kernel = lambda w: rows.projection(of_projection(w))
-    return (*rows.on_chip(q, k, *to_kernel(params[0]), scales), to_kernel)
+    return (lambda w: rows.projection(of_projection(w))), scales
 
   def forward(features, q, k, v, gate, mask):
     rows = Rows(features, q, v, mask, gate, blocks.chunk)
     gate_rows = None if rows.gate is None else _gate_rows(rows.gate, blocks.chunk)
     if blocks.feature_map:  # the kernels compute the features
-      q_rows, k_rows, chip, _ = on_chip(rows, q, k, features.params)
+      of_projection, scales = to_kernel(rows, q, features.params)
+      q_rows, k_rows, chip = rows.on_chip(q, k, *of_projection(features.params[0]), scales)
       num, den, m, redone = _forward(q_rows, k_rows, rows.value_rows(v), gate_rows, blocks, chip)
     else:
       num, den, m, redone = _forward(*rows.log_rows(q, k), rows.value_rows(v), gate_rows, blocks)
@@ -176,8 +176,9 @@ def program(blocks: Blocks) -> fused_rows.Program:
     rows = Rows(features_lib.rebuilt(static, params), q, v, mask, gate, blocks.chunk)
     chip = None
     if blocks.feature_map:  # the kernels compute the features; the projection's gradient comes back through p
-      lq, lk, chip, to_kernel = on_chip(rows, q, k, params)  # rows of q and k where the log features are read
-      _, p_vjp = jax.vjp(to_kernel, params[0])
+      of_projection, scales = to_kernel(rows, q, params)
+      (p, fb), p_vjp = jax.vjp(of_projection, params[0])
+      lq, lk, chip = rows.on_chip(q, k, p, fb, scales)  # rows of q and k where the log features are read
     else:
       (lq, lk), features_vjp = jax.vjp(logs, q, k, *params)
     vv = rows.value_rows(v)

@@ -31,7 +31,8 @@ class Blocks(NamedTuple):
   ``operands``: "bfloat16" where every input is bfloat16 and ``precision`` asks for no more (products of
   features take it, see ``dot``); ``gated``: the kernels take forget gates; ``precision``: None (the
   backend's default) or a ``jax.lax.Precision`` for every product (see ``dot``); ``feature_map``: the map
-  the forward kernels compute from the rows of q and k (:class:`LogRows`), None: they read XLA's features.
+  the kernels compute from the rows of q and k, forward and backward (:class:`LogRows`), None: they read
+  XLA's features.
   """
   chunk: int
   block_f: int
@@ -40,7 +41,7 @@ class Blocks(NamedTuple):
   operands: str = "float32"
   gated: bool = False
   precision: Any = None
-  feature_map: str | None = None  # the forward kernels compute the features from q, k (``fused.rows.feature_map``)
+  feature_map: str | None = None  # the kernels compute the features from q, k (``fused.rows.feature_map``)
   x_scale: float = 1.0  # d^{-1/4}, for those features
 
 
@@ -236,8 +237,9 @@ def recompute_lost(lost, lq_ref, lk_ref, v, mu_ref, s_ref, z_ref, b, d, fbs, car
         m_t = jnp.maximum(m_t, jnp.max(lq_t + jnp.maximum(jnp.max(keys, axis=0), mu_ref[fb] + b_t)))
       w, num_t, den_t = jnp.zeros(v.shape[:1], jnp.float32), jnp.zeros(v.shape[1:], jnp.float32), 0.0
       for fb in fbs:
-        w += jnp.sum(_exact_terms(t, lq_ref[:, fb], lk_ref[:, fb], d, m_t), axis=1)
-        q_state = jnp.exp(_row_of(lq_ref[:, fb], t) + mu_ref[fb] + b_t - safe(m_t))
+        lq = lq_ref[:, fb]  # once per block (computed from q where the kernel computes the features)
+        w += jnp.sum(_exact_terms(t, lq, lk_ref[:, fb], d, m_t), axis=1)
+        q_state = jnp.exp(_row_of(lq, t) + mu_ref[fb] + b_t - safe(m_t))
         num_t += jnp.sum(q_state[:, None] * s_ref[fb, :], axis=0)
         den_t += jnp.sum(q_state * z_ref[fb])
       num, den, m = carry
